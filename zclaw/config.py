@@ -1,0 +1,246 @@
+"""Configuration: one schema, TOML files, ``--set section.key=value`` overrides, strict validation.
+
+The schema below is the single source of truth: defaults, types, allowed values and the one-line
+documentation of every key (``docs/configuration.md`` is generated from it). Unknown keys and bad
+values are rejected with the key named and what is allowed, before any process starts.
+"""
+from __future__ import annotations
+
+import copy
+import sys
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any, Callable, Dict, List, Mapping, Optional, Sequence, Tuple
+
+if sys.version_info >= (3, 11):
+    import tomllib
+else:  # Python 3.8-3.10 (Isaac Gym workers run on 3.8)
+    import tomli as tomllib
+
+
+class ConfigError(ValueError):
+    """A config key that does not exist or a value that is not allowed; the message says which."""
+
+
+@dataclass(frozen=True)
+class Key:
+    """One config key: its default, type, an optional check and the text users read."""
+
+    default: Any
+    doc: str
+    type: type = type(None)
+    choices: Optional[Tuple[Any, ...]] = None
+    min: Optional[float] = None
+    max: Optional[float] = None
+
+    @property
+    def kind(self) -> type:
+        return self.type if self.type is not type(None) else type(self.default)
+
+    def allowed(self) -> str:
+        if self.choices is not None:
+            return "one of " + ", ".join(repr(c) for c in self.choices)
+        text = {int: "an integer", float: "a number", bool: "true or false", str: "a string", list: "a list"}
+        s = text.get(self.kind, self.kind.__name__)
+        if self.min is not None and self.max is not None:
+            s += f" in [{self.min}, {self.max}]"
+        elif self.min is not None:
+            s += f" >= {self.min}"
+        elif self.max is not None:
+            s += f" <= {self.max}"
+        return s
+
+    def check(self, name: str, value: Any) -> Any:
+        kind = self.kind
+        if kind is float and isinstance(value, int) and not isinstance(value, bool):
+            value = float(value)
+        if kind is list and isinstance(value, tuple):
+            value = list(value)
+        ok = isinstance(value, kind) and not (isinstance(value, bool) and kind is not bool)
+        if ok and self.choices is not None:
+            ok = value in self.choices
+        if ok and self.min is not None:
+            ok = value >= self.min
+        if ok and self.max is not None:
+            ok = value <= self.max
+        if not ok:
+            raise ConfigError(f"config key {name} = {value!r} is not allowed: expected {self.allowed()}")
+        return value
+
+
+SCHEMA: Dict[str, Dict[str, Key]] = {
+    "run": {
+        "env": Key("gym:Reacher-v5", "environment id, prefixed by its backend (gym:<id>)"),
+        "seed": Key(0, "base random seed; worker i uses seed + 1000 * i", min=0),
+        "steps": Key(1_000_000, "stop `zclaw train` after this many env steps (0: no limit)", min=0),
+        "time": Key(0.0, "stop `zclaw train` after this many seconds of wall time (0: no limit)", min=0),
+        "workers": Key(1, "worker processes `zclaw train` starts", min=1, max=256),
+        "run_dir": Key("runs/{time}", "run directory; {time} is replaced by the start time"),
+    },
+    "network": {
+        "broker_host": Key("127.0.0.1", "host the broker binds, and that others connect to"),
+        "ingest_port": Key(5555, "broker PULL port for worker segments and hellos (0: any free port)", min=0, max=65535),
+        "serve_port": Key(5556, "broker ROUTER port for batch and status requests", min=0, max=65535),
+        "learner_host": Key("127.0.0.1", "host the learner binds, and that workers connect to"),
+        "publish_port": Key(5557, "learner PUB port for weights", min=0, max=65535),
+        "learner_port": Key(5558, "learner ROUTER port for snapshot (Clone) and status requests", min=0, max=65535),
+        "max_message_mb": Key(256, "receive size cap on every socket, in MiB (ZMQ_MAXMSGSIZE)", min=1),
+        "request_timeout_ms": Key(3000, "Lazy Pirate: wait this long for a reply before reconnecting", min=10),
+        "bind_host": Key("", "address servers bind (empty: the host they are reached at)"),
+    },
+    "worker": {
+        "envs": Key(16, "environments stepped by each worker", min=1),
+        "segment_length": Key(64, "steps T per segment (a segment holds T x envs transitions)", min=1),
+        "send_queue": Key(8, "segments a worker holds while the broker is slow or gone (backpressure)", min=1),
+        "gpu": Key(-1, "inference device: -1 for CPU, N for cuda:N", min=-1),
+        "threads": Key(1, "torch CPU threads per worker", min=1),
+    },
+    "broker": {
+        "capacity": Key(64, "segments the store holds (preallocated ring)", min=1),
+        "mode": Key("queue", "sampling mode", choices=("queue", "uniform", "prioritized")),
+        "min_size": Key(1, "segments stored before the first batch is served", min=1),
+        "max_reuse": Key(1, "times a segment may be sampled (0: unlimited; queue needs >= 1)", min=0),
+        "samples_per_insert": Key(0.0, "rate limit: segments sampled per segment inserted (0: off)", min=0),
+        "spi_error_buffer": Key(8.0, "rate limit slack, in segments, around samples_per_insert", min=0),
+        "max_staleness": Key(-1, "drop segments older than this many policy versions at sample time (-1: off)", min=-1),
+        "priority_alpha": Key(0.6, "prioritized mode: priority exponent alpha", min=0, max=1),
+        "priority_beta": Key(0.4, "prioritized mode: importance-weight exponent beta", min=0, max=1),
+        "retry_ms": Key(20, "how long the broker tells a learner to wait when no batch is ready", min=1),
+    },
+    "learner": {
+        "batch_segments": Key(4, "segments per batch request", min=1),
+        "epochs": Key(4, "passes over each batch", min=1),
+        "minibatches": Key(4, "minibatches per pass", min=1),
+        "lr": Key(3e-4, "Adam learning rate", min=0),
+        "gamma": Key(0.99, "discount", min=0, max=1),
+        "lam": Key(0.95, "GAE/V-trace lambda", min=0, max=1),
+        "clip": Key(0.2, "PPO clip range epsilon", min=0),
+        "rho_bar": Key(1.0, "truncation of importance weights in the V-trace targets (rho bar)", min=0),
+        "c_bar": Key(1.0, "truncation of trace-cutting weights (c bar)", min=0),
+        "vf_coef": Key(0.5, "value loss coefficient", min=0),
+        "ent_coef": Key(0.0, "entropy bonus coefficient", min=0),
+        "max_grad_norm": Key(0.5, "gradient norm clip", min=0),
+        "checkpoint_s": Key(30.0, "seconds between checkpoints", min=1),
+        "threads": Key(1, "torch CPU threads of the learner", min=1),
+        "device": Key("cpu", "torch device of the learner (cpu, cuda, cuda:N)"),
+        "tensorboard": Key(True, "write TensorBoard scalars under the run directory"),
+    },
+    "policy": {
+        "hidden": Key([64, 64], "hidden layer sizes of the actor and critic MLPs", type=list),
+        "activation": Key("tanh", "hidden activation", choices=("tanh", "relu", "elu")),
+        "options": Key(1, "number of options K (1: flat PPO)", min=1, max=64),
+        "init_log_std": Key(-0.5, "initial log standard deviation of the Gaussian policies"),
+        "normalize_obs": Key(True, "running mean/variance observation normalisation"),
+        "obs_clip": Key(10.0, "clip normalised observations to +-obs_clip", min=0),
+    },
+    "log": {
+        "level": Key("info", "log level", choices=("debug", "info", "warning", "error")),
+        "format": Key("auto", "console on a TTY, JSON lines otherwise", choices=("auto", "console", "json")),
+        "status_s": Key(10.0, "seconds between status log lines of each role", min=0.1),
+    },
+}
+
+
+def _validate_hidden(cfg: Dict[str, Dict[str, Any]]) -> None:
+    hidden = cfg["policy"]["hidden"]
+    if not hidden or not all(isinstance(h, int) and not isinstance(h, bool) and h > 0 for h in hidden):
+        raise ConfigError(f"config key policy.hidden = {hidden!r} is not allowed: expected a list of positive integers")
+
+
+def _validate_cross(cfg: Dict[str, Dict[str, Any]]) -> None:
+    """Refuse configurations that can never serve a batch (they would deadlock, not fail)."""
+    b, L = cfg["broker"], cfg["learner"]
+    if b["min_size"] > b["capacity"]:
+        raise ConfigError(f"broker.min_size = {b['min_size']} exceeds broker.capacity = {b['capacity']}: never serves")
+    if L["batch_segments"] > b["capacity"]:
+        raise ConfigError(
+            f"learner.batch_segments = {L['batch_segments']} exceeds broker.capacity = {b['capacity']}: never serves"
+        )
+    if b["mode"] == "queue" and b["max_reuse"] == 0:
+        raise ConfigError("broker.max_reuse = 0 (unlimited) is not allowed in queue mode: expected >= 1")
+    if b["samples_per_insert"] > 0 and b["spi_error_buffer"] < 1:
+        raise ConfigError("broker.spi_error_buffer must be >= 1 when samples_per_insert is on, or nothing is served")
+    env = cfg["run"]["env"]
+    if ":" not in env:
+        raise ConfigError(f"config key run.env = {env!r} is not allowed: expected <backend>:<id>, e.g. gym:Reacher-v5")
+
+
+VALIDATORS: List[Callable[[Dict[str, Dict[str, Any]]], None]] = [_validate_hidden, _validate_cross]
+
+
+def defaults() -> Dict[str, Dict[str, Any]]:
+    return {sec: {k: copy.deepcopy(key.default) for k, key in keys.items()} for sec, keys in SCHEMA.items()}
+
+
+def _merge(cfg: Dict[str, Dict[str, Any]], data: Mapping[str, Any], origin: str) -> None:
+    for sec, values in data.items():
+        if sec not in SCHEMA:
+            raise ConfigError(f"{origin}: unknown section [{sec}]; known sections: {', '.join(SCHEMA)}")
+        if not isinstance(values, Mapping):
+            raise ConfigError(f"{origin}: [{sec}] must be a table")
+        for k, v in values.items():
+            if k not in SCHEMA[sec]:
+                raise ConfigError(f"{origin}: unknown key {sec}.{k}; keys of [{sec}]: {', '.join(SCHEMA[sec])}")
+            cfg[sec][k] = SCHEMA[sec][k].check(f"{sec}.{k}", v)
+
+
+def parse_override(text: str) -> Tuple[str, str, Any]:
+    """Parse ``section.key=value``; the value is read as a TOML value, or as a bare string."""
+    if "=" not in text or "." not in text.split("=", 1)[0]:
+        raise ConfigError(f"--set {text!r}: expected section.key=value")
+    path, raw = text.split("=", 1)
+    sec, key = path.strip().split(".", 1)
+    try:
+        value = tomllib.loads(f"x = {raw}")["x"]
+    except tomllib.TOMLDecodeError:
+        value = raw
+    return sec, key, value
+
+
+def load(path: Optional[str] = None, overrides: Sequence[str] = ()) -> Dict[str, Dict[str, Any]]:
+    """Defaults, then the TOML file at ``path``, then ``--set`` overrides; validated as a whole."""
+    cfg = defaults()
+    if path:
+        p = Path(path)
+        if not p.is_file():
+            raise ConfigError(f"config file {path} does not exist")
+        try:
+            data = tomllib.loads(p.read_text())
+        except tomllib.TOMLDecodeError as exc:
+            raise ConfigError(f"config file {path} is not valid TOML: {exc}") from None
+        _merge(cfg, data, str(path))
+    for text in overrides:
+        sec, key, value = parse_override(text)
+        _merge(cfg, {sec: {key: value}}, "--set")
+    for check in VALIDATORS:
+        check(cfg)
+    return cfg
+
+
+def from_mapping(data: Mapping[str, Any]) -> Dict[str, Dict[str, Any]]:
+    """A validated config from a mapping (a resolved config read back from a run directory)."""
+    cfg = defaults()
+    _merge(cfg, data, "config")
+    for check in VALIDATORS:
+        check(cfg)
+    return cfg
+
+
+def to_toml(cfg: Mapping[str, Mapping[str, Any]]) -> str:
+    """Render a config as TOML (the subset of types the schema uses)."""
+
+    def fmt(v: Any) -> str:
+        if isinstance(v, bool):
+            return "true" if v else "false"
+        if isinstance(v, str):
+            return '"' + v.replace("\\", "\\\\").replace('"', '\\"') + '"'
+        if isinstance(v, list):
+            return "[" + ", ".join(fmt(x) for x in v) + "]"
+        return repr(v)
+
+    lines = []
+    for sec, values in cfg.items():
+        lines.append(f"[{sec}]")
+        lines.extend(f"{k} = {fmt(v)}" for k, v in values.items())
+        lines.append("")
+    return "\n".join(lines)

@@ -1,0 +1,57 @@
+"""Weights messages: the learner publishes them, workers apply them; one codec serves both sides.
+
+A ``weights`` message carries the version, the env steps the learner has consumed, the env spec hash,
+the architecture (so a worker can build the network before it has ever seen the learner) and every
+parameter and normaliser buffer as an array. It is always sent packed (one frame) because workers
+subscribe with ``CONFLATE`` and a conflated socket keeps only the last frame of a multipart message.
+"""
+from __future__ import annotations
+
+from typing import Any, Mapping
+
+import numpy as np
+
+from ..wire import EnvSpec, Message, WireError, make, pack
+from .networks import OptionPolicy, PolicyConfig
+
+
+def policy_config(policy_section: Mapping[str, Any], spec: EnvSpec) -> PolicyConfig:
+    """The architecture from the run config's ``[policy]`` section and the env spec."""
+    return PolicyConfig(
+        obs_dim=int(np.prod(spec.obs_shape)),
+        act_dim=int(np.prod(spec.action_shape)),
+        hidden=tuple(policy_section["hidden"]),
+        activation=policy_section["activation"],
+        options=int(policy_section["options"]),
+        init_log_std=float(policy_section["init_log_std"]),
+        normalize_obs=bool(policy_section["normalize_obs"]),
+        obs_clip=float(policy_section["obs_clip"]),
+    )
+
+
+def weights_message(model: OptionPolicy, version: int, step: int, spec_hash: str) -> bytes:
+    """The packed single-frame ``weights`` message for ``model`` at ``version``."""
+    arrays = model.weight_arrays()
+    return pack(make("weights", arrays, version=int(version), step=int(step), spec_hash=spec_hash,
+                     policy=model.cfg.to_dict()))
+
+
+def model_from_weights(msg: Message) -> OptionPolicy:
+    """Build a network from a ``weights`` message and load it (workers do this on join)."""
+    try:
+        cfg = PolicyConfig.from_dict(msg["policy"])
+        model = OptionPolicy(cfg)
+    except (TypeError, KeyError, ValueError) as exc:
+        raise WireError("bad_weights", f"cannot build the network from the weights header ({exc})") from None
+    load_weights(model, msg)
+    return model
+
+
+def load_weights(model: OptionPolicy, msg: Message) -> None:
+    """Load a ``weights`` message into ``model``; raise :class:`WireError` if it does not fit."""
+    if PolicyConfig.from_dict(msg["policy"]) != model.cfg:
+        raise WireError("bad_weights", "weights are for a different architecture")
+    try:
+        model.load_weight_arrays(msg.arrays)
+    except ValueError as exc:
+        raise WireError("bad_weights", str(exc)) from None
