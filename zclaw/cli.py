@@ -14,9 +14,12 @@ _CONFIG_HELP = "TOML config file (defaults: configs/default.toml values built in
 _SET_HELP = "Override one key, e.g. --set learner.lr=1e-3 (repeatable)."
 
 
-def _load(config: Optional[str], overrides: Sequence[str], extra: Sequence[str] = ()) -> Dict[str, Dict[str, Any]]:
+def _load(
+    config: Optional[str], overrides: Sequence[str], values: Optional[Dict[str, Any]] = None
+) -> Dict[str, Dict[str, Any]]:
+    """Resolve the config; flags given on the command line (``values``, None = not given) win over --set."""
     try:
-        return config_mod.load(config, list(overrides) + list(extra))
+        return config_mod.load(config, overrides, {k: v for k, v in (values or {}).items() if v is not None})
     except config_mod.ConfigError as exc:
         raise click.UsageError(str(exc)) from None
 
@@ -75,19 +78,46 @@ def worker(
     index: int,
 ) -> None:
     """Run a worker: step envs with the newest weights, PUSH segments to the broker."""
-    extra = []
-    if env is not None:
-        extra.append(f'run.env="{env}"')
-    if envs is not None:
-        extra.append(f"worker.envs={envs}")
-    if gpu is not None:
-        extra.append(f"worker.gpu={gpu}")
-    cfg = _load(config, overrides, extra)
+    cfg = _load(config, overrides, {"run.env": env, "worker.envs": envs, "worker.gpu": gpu})
     from .logs import setup
     from .worker.worker import main as worker_main
 
     log = setup("worker", cfg["log"]["level"], cfg["log"]["format"])
     sys.exit(worker_main(cfg, log, index))
+
+
+@main.command()
+@config_options
+@click.option("--env", default=None, help="Env id with backend prefix (run.env), e.g. gym:Pusher-v5.")
+@click.option("--steps", type=int, default=None, help="Stop after this many env steps (run.steps; 0: no limit).")
+@click.option("--time", "time_s", type=float, default=None, help="Stop after this many seconds (run.time).")
+@click.option("--workers", type=int, default=None, help="Worker processes (run.workers).")
+@click.option("--run-dir", type=click.Path(file_okay=False), default=None,
+              help="Run directory (run.run_dir; default runs/<start time>).")
+@click.option("--resume", is_flag=True,
+              help="Continue the run in --run-dir from its latest checkpoint, with its config unless --config is given.")
+def train(
+    config: Optional[str], overrides: Sequence[str], env: Optional[str], steps: Optional[int],
+    time_s: Optional[float], workers: Optional[int], run_dir: Optional[str], resume: bool,
+) -> None:
+    """Train on one machine: broker, learner and workers as separate processes on loopback.
+
+    Shows a progress bar (env steps, steps/s, mean return, policy lag), stops at --steps or --time, prints a
+    summary and leaves RUN_DIR with the resolved config, one log per role, checkpoints, TensorBoard events and
+    summary.json. Ctrl-C stops every process.
+    """
+    from .launch import resolve_run_dir, train as run_train
+
+    if resume:
+        if run_dir is None:
+            raise click.UsageError("--resume needs --run-dir DIR (the run to continue)")
+        if config is None and (Path(run_dir) / "config.toml").exists():
+            config = str(Path(run_dir) / "config.toml")
+    cfg = _load(config, overrides, {"run.env": env, "run.steps": steps, "run.time": time_s,
+                                    "run.workers": workers, "run.run_dir": run_dir})
+    if not cfg["run"]["steps"] and not cfg["run"]["time"]:
+        raise click.UsageError("give a stopping point: --steps N or --time SECONDS (run.steps / run.time)")
+    sys.exit(run_train(cfg, resolve_run_dir(cfg["run"]["run_dir"]), resume=resume, echo=click.echo))
 
 
 @main.group("config")

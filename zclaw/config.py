@@ -197,8 +197,11 @@ def parse_override(text: str) -> Tuple[str, str, Any]:
     return sec, key, value
 
 
-def load(path: Optional[str] = None, overrides: Sequence[str] = ()) -> Dict[str, Dict[str, Any]]:
-    """Defaults, then the TOML file at ``path``, then ``--set`` overrides; validated as a whole."""
+def load(
+    path: Optional[str] = None, overrides: Sequence[str] = (), values: Optional[Mapping[str, Any]] = None
+) -> Dict[str, Dict[str, Any]]:
+    """Defaults, then the TOML file at ``path``, then ``--set`` overrides, then ``values`` (``"sec.key"`` ->
+    value, from command-line flags); validated as a whole."""
     cfg = defaults()
     if path:
         p = Path(path)
@@ -212,6 +215,9 @@ def load(path: Optional[str] = None, overrides: Sequence[str] = ()) -> Dict[str,
     for text in overrides:
         sec, key, value = parse_override(text)
         _merge(cfg, {sec: {key: value}}, "--set")
+    for dotted, value in (values or {}).items():
+        sec, key = dotted.split(".", 1)
+        _merge(cfg, {sec: {key: value}}, "option")
     for check in VALIDATORS:
         check(cfg)
     return cfg

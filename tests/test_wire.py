@@ -1,0 +1,162 @@
+"""Protocol v1: golden messages pin the bytes; every malformed input is a WireError, never a crash."""
+from __future__ import annotations
+
+import importlib.util
+from pathlib import Path
+
+import msgpack
+import numpy as np
+import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from zclaw.wire import EnvSpec, WireError, decode, encode, make, pack, parse, segment_dims, unpack
+from zclaw.wire.messages import SCHEMAS, batch_dims
+
+GOLDEN = Path(__file__).resolve().parent / "golden"
+_spec = importlib.util.spec_from_file_location("golden_generate", GOLDEN / "generate.py")
+golden = importlib.util.module_from_spec(_spec)
+_spec.loader.exec_module(golden)
+
+
+def load_golden(kind: str) -> list:
+    return msgpack.unpackb((GOLDEN / f"{kind}.msg").read_bytes(), raw=False)
+
+
+@pytest.mark.parametrize("kind", sorted(SCHEMAS))
+def test_golden_files_decode_and_encoder_reproduces_them(kind: str) -> None:
+    frames = load_golden(kind)
+    msg = parse(frames)
+    assert msg.kind == kind
+    assert golden.messages()[kind] == frames, "today's encoder no longer produces the pinned bytes of protocol v1"
+
+
+def test_golden_segment_contents_and_layout() -> None:
+    msg = parse(load_golden("segment"))
+    assert segment_dims(msg, golden.SPEC) == (3, 2, 1)
+    for name, arr in golden.segment_arrays().items():
+        np.testing.assert_array_equal(msg.arrays[name], arr)
+        assert msg.arrays[name].dtype == arr.dtype
+    assert msg["seq"] == 12 and msg["episodes"][0]["length"] == 50
+
+
+def test_golden_batch_layout() -> None:
+    assert batch_dims(parse(load_golden("batch")), golden.SPEC) == (1, 3, 2, 1)
+
+
+def test_roundtrip_multipart_and_packed_are_equal() -> None:
+    arrays = {"a": np.arange(12, dtype=np.float32).reshape(3, 4), "b": np.array([True, False]), "e": np.zeros((0, 3))}
+    frames = encode({"kind": "status"}, arrays)
+    for form in (frames, [pack(frames)]):
+        msg = decode(form)
+        assert set(msg.arrays) == {"a", "b", "e"}
+        np.testing.assert_array_equal(msg.arrays["a"], arrays["a"])
+        np.testing.assert_array_equal(msg.arrays["b"], arrays["b"])
+        assert msg.arrays["e"].shape == (0, 3)
+
+
+def test_non_contiguous_and_big_endian_arrays_are_normalised() -> None:
+    a = np.arange(20, dtype=">f4").reshape(4, 5)[:, ::2]
+    msg = decode(encode({"kind": "status"}, {"a": a}))
+    assert msg.arrays["a"].dtype.str == "<f4"
+    np.testing.assert_array_equal(msg.arrays["a"], a.astype("<f4"))
+
+
+def _header(frames: list) -> dict:
+    return msgpack.unpackb(frames[0], raw=False)
+
+
+def _with_header(frames: list, **changes: object) -> list:
+    h = _header(frames)
+    h.update(changes)
+    return [msgpack.packb(h, use_bin_type=True)] + frames[1:]
+
+
+@pytest.mark.parametrize(
+    "mutate, cause",
+    [
+        (lambda f: [b"\xc1garbage"], "malformed"),
+        (lambda f: [], "malformed"),
+        (lambda f: _with_header(f, v=2), "bad_version"),
+        (lambda f: _with_header(f, kind="launch_missiles"), "unknown_kind"),
+        (lambda f: _with_header(f, seq="twelve"), "malformed"),
+        (lambda f: f[:-1], "bad_length"),
+        (lambda f: f[:1] + [f[1][:-4]] + f[2:], "bad_length"),
+        (lambda f: _with_header(f, arrays=[[a[0], "|O", a[2]] for a in _header(f)["arrays"]]), "bad_dtype"),
+        (lambda f: _with_header(f, arrays=[[a[0], a[1], [-1]] for a in _header(f)["arrays"]]), "bad_shape"),
+    ],
+)
+def test_malformed_messages_raise_wire_error_with_cause(mutate, cause: str) -> None:
+    with pytest.raises(WireError) as info:
+        parse(mutate(load_golden("segment")))
+    assert info.value.cause == cause
+
+
+def test_non_finite_and_spec_checks() -> None:
+    arrays = golden.segment_arrays()
+    arrays["reward"][1, 0] = np.nan
+    frames = make("segment", arrays, worker="w", seq=1, spec_hash=golden.SPEC.hash, episodes=[])
+    with pytest.raises(WireError) as info:
+        parse(frames)
+    assert info.value.cause == "non_finite"
+
+    arrays = golden.segment_arrays()
+    arrays["action"] = arrays["action"].astype(np.float64)
+    msg = parse(make("segment", arrays, worker="w", seq=1, spec_hash=golden.SPEC.hash, episodes=[]))
+    with pytest.raises(WireError) as info:
+        segment_dims(msg, golden.SPEC)
+    assert info.value.cause == "bad_dtype"
+
+    other = EnvSpec("gym:Pusher-v5", (23,), (7,), (-2.0,) * 7, (2.0,) * 7)
+    with pytest.raises(WireError) as info:
+        segment_dims(parse(load_golden("segment")), other)
+    assert info.value.cause == "bad_spec"
+
+
+def test_segment_shape_mismatch_is_bad_shape() -> None:
+    arrays = golden.segment_arrays()
+    arrays["obs"] = arrays["obs"][:-1]  # T rows instead of T + 1
+    msg = parse(make("segment", arrays, worker="w", seq=1, spec_hash=golden.SPEC.hash, episodes=[]))
+    with pytest.raises(WireError) as info:
+        segment_dims(msg, golden.SPEC)
+    assert info.value.cause == "bad_shape"
+
+
+def test_make_refuses_headers_that_break_the_schema() -> None:
+    with pytest.raises(WireError):
+        make("retry", reason="x")  # retry_ms missing
+    with pytest.raises(WireError):
+        make("nonsense")
+
+
+@settings(max_examples=300, deadline=None)
+@given(st.lists(st.binary(max_size=200), min_size=0, max_size=4))
+def test_random_frames_only_ever_raise_wire_error(frames: list) -> None:
+    try:
+        parse(frames)
+    except WireError:
+        pass
+
+
+@settings(max_examples=300, deadline=None)
+@given(st.data())
+def test_mutated_golden_messages_only_ever_raise_wire_error(data: st.DataObject) -> None:
+    frames = [bytearray(f) for f in load_golden(data.draw(st.sampled_from(["segment", "batch", "weights", "hello"])))]
+    i = data.draw(st.integers(0, len(frames) - 1))
+    if frames[i]:
+        j = data.draw(st.integers(0, len(frames[i]) - 1))
+        frames[i][j] = data.draw(st.integers(0, 255))
+    try:
+        msg = parse([bytes(f) for f in frames])
+        if msg.kind == "segment":
+            segment_dims(msg, golden.SPEC)
+    except WireError:
+        pass
+
+
+def test_unpack_rejects_truncated_packed_frame() -> None:
+    packed = load_golden("weights")[0]
+    with pytest.raises(WireError):
+        unpack(packed[:-3])
+    with pytest.raises(WireError):
+        unpack(packed + b"x")

@@ -1,0 +1,122 @@
+"""The learner's loss terms, written to be read top to bottom beside the papers (after CleanRL).
+
+Every function is small and pure: torch tensors in, tensors out, no module state. Sequences are
+time-major ``[T, B]`` (B columns, each one env of one segment); per-sample losses are returned
+unreduced so that the trainer can weight them (prioritized replay importance weights) before it
+takes a mean.
+
+Notation (Espeholt et al. 2018, "IMPALA", section 4; Schulman et al. 2017, "PPO"):
+
+* ``pi`` the policy being learned, ``mu`` the behaviour policy a worker acted with (a stale copy:
+  asynchronous workers act with older weights, so every batch is slightly off-policy);
+* ``rho_t = pi(a_t|x_t) / mu(a_t|x_t)``, given as ``log_rhos`` for numerical range;
+* ``gamma_t`` the per-step discount, zero where an episode ended at t, so no trace crosses an episode
+  boundary (the trainer folds the time-limit bootstrap into the reward of truncated steps);
+* ``V(x_t)`` the critic, ``v_s`` the V-trace target for it.
+"""
+from __future__ import annotations
+
+import math
+from typing import Optional, Tuple
+
+import torch
+
+
+@torch.no_grad()
+def vtrace(
+    values: torch.Tensor,
+    bootstrap: torch.Tensor,
+    rewards: torch.Tensor,
+    discounts: torch.Tensor,
+    log_rhos: torch.Tensor,
+    rho_bar: float = 1.0,
+    c_bar: float = 1.0,
+    lam: float = 1.0,
+) -> Tuple[torch.Tensor, torch.Tensor]:
+    """V-trace targets and policy-gradient advantages (IMPALA, eq. 1 and section 4.2).
+
+    With truncated importance weights ``rho_t = min(rho_bar, pi/mu)`` and ``c_t = lam * min(c_bar, pi/mu)``
+    (lambda as in the paper's remark on eq. 1: it scales the trace-cutting coefficients)::
+
+        delta_t   = rho_t * (r_t + gamma_t * V(x_{t+1}) - V(x_t))
+        v_s - V(x_s) = delta_s + gamma_s * c_s * (v_{s+1} - V(x_{s+1}))          (recursive form of eq. 1)
+        A_s       = rho_s * (r_s + gamma_s * (lam * v_{s+1} + (1 - lam) * V(x_{s+1})) - V(x_s))
+
+    ``V(x_T)`` is ``bootstrap`` and ``v_T = V(x_T)``. The bootstrap of the advantage mixes ``v_{s+1}`` and
+    ``V(x_{s+1})`` by lambda (as rlax's ``vtrace_td_error_and_advantage`` does), so that on-policy
+    (``log_rhos = 0``, ``rho_bar, c_bar >= 1``) ``A_s`` is exactly GAE(gamma, lam) and ``v_s`` the
+    lambda-return; with ``lam = 1`` both are the discounted n-step return to the end of the segment.
+
+    Args: ``values``, ``rewards``, ``discounts``, ``log_rhos`` of shape [T, B]; ``bootstrap`` [B].
+    Returns: ``(vs, pg_advantages)``, both [T, B], without gradient (they are targets).
+    """
+    rhos = torch.exp(log_rhos)
+    clipped_rhos = torch.clamp(rhos, max=rho_bar)  # rho_t
+    cs = lam * torch.clamp(rhos, max=c_bar)  # c_t
+    values_tp1 = torch.cat([values[1:], bootstrap.unsqueeze(0)], dim=0)  # V(x_{t+1})
+    deltas = clipped_rhos * (rewards + discounts * values_tp1 - values)
+
+    vs_minus_v = torch.zeros_like(values)
+    acc = torch.zeros_like(bootstrap)  # v_{T} - V(x_T) = 0
+    for t in range(values.shape[0] - 1, -1, -1):
+        acc = deltas[t] + discounts[t] * cs[t] * acc
+        vs_minus_v[t] = acc
+    vs = values + vs_minus_v
+
+    vs_tp1 = torch.cat([vs[1:], bootstrap.unsqueeze(0)], dim=0)  # v_{t+1}
+    q_bootstrap = lam * vs_tp1 + (1.0 - lam) * values_tp1
+    pg_advantages = clipped_rhos * (rewards + discounts * q_bootstrap - values)
+    return vs, pg_advantages
+
+
+def ppo_clip_loss(
+    logp_new: torch.Tensor, logp_behaviour: torch.Tensor, adv: torch.Tensor, clip: float
+) -> torch.Tensor:
+    """Per-sample clipped surrogate (Schulman et al. 2017, eq. 7), negated to be minimised::
+
+        r_t(theta) = pi_theta(a_t|s_t) / mu(a_t|s_t)
+        L_t        = -min(r_t * A_t, clip(r_t, 1 - eps, 1 + eps) * A_t)
+
+    The ratio is taken w.r.t. the *behaviour* log-probs ``mu`` the worker recorded, not a learner-side
+    "old" policy: in asynchronous PPO the data was produced by whatever version the worker held, and
+    the clip keeps the update within ``eps`` of that policy (as in APPO / IMPACT).
+    """
+    ratio = torch.exp(logp_new - logp_behaviour)
+    surr1 = ratio * adv
+    surr2 = torch.clamp(ratio, 1.0 - clip, 1.0 + clip) * adv
+    return -torch.min(surr1, surr2)
+
+
+def value_loss(values: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
+    """Per-sample squared error to the V-trace target: ``L_t = 1/2 * (V(x_t) - v_t)^2``."""
+    return 0.5 * (values - targets) ** 2
+
+
+def entropy(log_std: torch.Tensor) -> torch.Tensor:
+    """Entropy of a diagonal Gaussian, summed over the last (action) axis::
+
+        H = sum_i (1/2 + 1/2 * log(2 pi) + log sigma_i)
+
+    It does not depend on the mean, only on ``log_std`` (shape [..., A]).
+    """
+    return (0.5 + 0.5 * math.log(2.0 * math.pi) + log_std).sum(-1)
+
+
+def weighted_mean(x: torch.Tensor, weight: Optional[torch.Tensor] = None) -> torch.Tensor:
+    """``mean(w * x)``: per-sample losses times importance weights (prioritized replay, Schaul 2016)."""
+    return (x * weight).mean() if weight is not None else x.mean()
+
+
+def normalize(adv: torch.Tensor, eps: float = 1e-8) -> torch.Tensor:
+    """``(A - mean A) / (std A + eps)``: per-minibatch advantage normalisation, as PPO implementations do."""
+    if adv.numel() < 2:
+        return adv - adv.mean()
+    return (adv - adv.mean()) / (adv.std() + eps)
+
+
+def explained_variance(pred: torch.Tensor, target: torch.Tensor) -> float:
+    """``1 - Var[target - pred] / Var[target]``: 1 is a perfect critic, 0 no better than a constant."""
+    var = target.var(unbiased=False)
+    if not torch.isfinite(var) or var.item() == 0.0:
+        return float("nan")
+    return float(1.0 - (target - pred).var(unbiased=False) / var)
