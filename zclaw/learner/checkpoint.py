@@ -1,0 +1,180 @@
+"""Atomic learner checkpoints: everything needed to continue a run with the version counter intact.
+
+A checkpoint holds the model state (parameters and observation-normaliser statistics), the optimiser
+state, the version / update / env-step counters, the RNG states (torch, numpy, python), the resolved
+config and the env spec. It is written to a temporary file in the same directory, fsynced and then
+``os.replace``-d over its final name, so a crash mid-write leaves the previous checkpoint intact and a
+reader never sees half a file. ``latest.pt`` is always the newest; the last :data:`KEEP` numbered ones
+(``ckpt-<version>.pt``) are kept besides.
+
+Everything is stored in types ``torch.load(weights_only=True)`` accepts (tensors, numbers, strings,
+lists, dicts), so loading never runs arbitrary pickled code.
+"""
+from __future__ import annotations
+
+import io
+import os
+import random
+import tempfile
+from pathlib import Path
+from typing import Any, Dict, Mapping, Optional, Union
+
+import numpy as np
+import torch
+
+from ..policy.networks import OptionPolicy, PolicyConfig
+
+KEEP = 3
+LATEST = "latest.pt"
+FORMAT = 1
+
+
+class CheckpointError(RuntimeError):
+    """A checkpoint that is missing, unreadable, or made for another env or architecture."""
+
+
+def rng_state() -> Dict[str, Any]:
+    """The torch, numpy and python RNG states, in weights_only-loadable types."""
+    np_state = np.random.get_state()
+    py_state = random.getstate()
+    return {
+        "torch": torch.get_rng_state(),
+        "numpy": {"name": np_state[0], "keys": torch.from_numpy(np_state[1].astype(np.int64)),
+                  "pos": int(np_state[2]), "has_gauss": int(np_state[3]), "cached_gaussian": float(np_state[4])},
+        "python": [py_state[0], list(py_state[1]), py_state[2]],
+    }
+
+
+def set_rng_state(state: Mapping[str, Any]) -> None:
+    """Restore the RNG states saved by :func:`rng_state`."""
+    torch.set_rng_state(state["torch"])
+    n = state["numpy"]
+    np.random.set_state((n["name"], n["keys"].numpy().astype(np.uint32), n["pos"], n["has_gauss"],
+                         n["cached_gaussian"]))
+    p = state["python"]
+    random.setstate((p[0], tuple(p[1]), p[2]))
+
+
+def _atomic_write(path: Path, data: bytes) -> None:
+    fd, tmp = tempfile.mkstemp(prefix=f".{path.name}.", suffix=".tmp", dir=str(path.parent))
+    try:
+        with os.fdopen(fd, "wb") as f:
+            f.write(data)
+            f.flush()
+            os.fsync(f.fileno())
+        os.replace(tmp, path)
+    except BaseException:
+        try:
+            os.unlink(tmp)
+        except OSError:
+            pass
+        raise
+    try:  # make the rename itself durable
+        dfd = os.open(str(path.parent), os.O_RDONLY)
+        try:
+            os.fsync(dfd)
+        finally:
+            os.close(dfd)
+    except OSError:
+        pass
+
+
+def save(
+    directory: Union[str, Path],
+    model: OptionPolicy,
+    optimizer: Optional[torch.optim.Optimizer],
+    *,
+    version: int,
+    updates: int,
+    steps_consumed: int,
+    config: Mapping[str, Any],
+    spec: Mapping[str, Any],
+    extra: Optional[Mapping[str, Any]] = None,
+) -> Path:
+    """Write ``ckpt-<version>.pt`` and ``latest.pt`` atomically into ``directory``; return the numbered path."""
+    directory = Path(directory)
+    directory.mkdir(parents=True, exist_ok=True)
+    state = {
+        "format": FORMAT,
+        "model": {k: v.detach().cpu() for k, v in model.state_dict().items()},
+        "policy": model.cfg.to_dict(),
+        "optimizer": optimizer.state_dict() if optimizer is not None else None,
+        "version": int(version),
+        "updates": int(updates),
+        "steps_consumed": int(steps_consumed),
+        "rng": rng_state(),
+        "config": {k: dict(v) for k, v in config.items()},
+        "spec": dict(spec),
+        "extra": dict(extra or {}),
+    }
+    buf = io.BytesIO()
+    torch.save(state, buf)
+    data = buf.getvalue()
+    numbered = directory / f"ckpt-{int(version):08d}.pt"
+    _atomic_write(numbered, data)
+    _atomic_write(directory / LATEST, data)
+    old = sorted(directory.glob("ckpt-*.pt"))
+    for p in old[:-KEEP]:
+        try:
+            p.unlink()
+        except OSError:
+            pass
+    return numbered
+
+
+def find(path_or_dir: Union[str, Path]) -> Optional[Path]:
+    """The checkpoint file a path names: the file itself, or ``latest.pt`` in a directory; None if absent."""
+    p = Path(path_or_dir)
+    if p.is_dir():
+        p = p / LATEST
+    return p if p.is_file() else None
+
+
+def load(path_or_dir: Union[str, Path], map_location: Any = "cpu") -> Dict[str, Any]:
+    """Read a checkpoint (a file, or a directory's ``latest.pt``); raise :class:`CheckpointError` if unusable."""
+    p = find(path_or_dir)
+    if p is None:
+        raise CheckpointError(f"no checkpoint at {path_or_dir} (expected a .pt file or a directory with {LATEST})")
+    try:
+        state = torch.load(str(p), map_location=map_location, weights_only=True)
+    except Exception as exc:  # torch raises several types on a truncated or foreign file
+        raise CheckpointError(f"checkpoint {p} cannot be read: {type(exc).__name__}: {exc}") from None
+    if not isinstance(state, dict) or state.get("format") != FORMAT:
+        raise CheckpointError(f"checkpoint {p} is not a zclaw learner checkpoint of format {FORMAT}")
+    state["path"] = str(p)
+    return state
+
+
+def check_compatible(state: Mapping[str, Any], spec: Mapping[str, Any], policy: PolicyConfig) -> None:
+    """Refuse to resume a run whose env spec or network architecture differs from the checkpoint's."""
+    where = state.get("path", "checkpoint")
+    if dict(state["spec"]) != dict(spec):
+        diff = {k: (state["spec"].get(k), spec.get(k)) for k in set(state["spec"]) | set(spec)
+                if state["spec"].get(k) != spec.get(k)}
+        raise CheckpointError(
+            f"{where} was made for another env spec; (checkpoint, this run) differ in {diff}. "
+            "Resume with the same env, or start a new run directory."
+        )
+    want = policy.to_dict()
+    if dict(state["policy"]) != want:
+        diff = {k: (state["policy"].get(k), want.get(k)) for k in set(state["policy"]) | set(want)
+                if state["policy"].get(k) != want.get(k)}
+        raise CheckpointError(
+            f"{where} was made for another network architecture; (checkpoint, this run) differ in {diff}. "
+            "Use the checkpoint's [policy] settings, or start a new run directory."
+        )
+
+
+def restore(
+    state: Mapping[str, Any],
+    model: OptionPolicy,
+    optimizer: Optional[torch.optim.Optimizer] = None,
+    *,
+    rng: bool = True,
+) -> None:
+    """Load a checkpoint's model (and optimiser, and RNG) state; call :func:`check_compatible` first."""
+    model.load_state_dict(state["model"])
+    if optimizer is not None and state.get("optimizer") is not None:
+        optimizer.load_state_dict(state["optimizer"])
+    if rng:
+        set_rng_state(state["rng"])
