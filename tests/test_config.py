@@ -60,3 +60,11 @@ def test_to_toml_round_trips() -> None:
 
     cfg = config.load(None, ["run.run_dir=a \"quoted\" dir", "learner.tensorboard=false"])
     assert config.from_mapping(tomllib.loads(config.to_toml(cfg))) == cfg
+
+
+def test_configuration_reference_is_current() -> None:
+    doc = (CONFIGS.parent / "docs" / "configuration.md").read_text()
+    assert doc.strip() == config.reference_markdown().strip(), "run: zclaw config docs > docs/configuration.md"
+    for sec, keys in config.SCHEMA.items():
+        for name in keys:
+            assert f"| `{name}` |" in doc, f"{sec}.{name} is undocumented"

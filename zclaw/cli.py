@@ -132,5 +132,11 @@ def config_show(config: Optional[str], overrides: Sequence[str]) -> None:
     click.echo(config_mod.to_toml(_load(config, overrides)), nl=False)
 
 
+@config_group.command("docs")
+def config_docs() -> None:
+    """Print the configuration reference (docs/configuration.md) generated from the schema."""
+    click.echo(config_mod.reference_markdown())
+
+
 if __name__ == "__main__":
     main()

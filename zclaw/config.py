@@ -250,3 +250,23 @@ def to_toml(cfg: Mapping[str, Mapping[str, Any]]) -> str:
         lines.extend(f"{k} = {fmt(v)}" for k, v in values.items())
         lines.append("")
     return "\n".join(lines)
+
+
+def reference_markdown() -> str:
+    """``docs/configuration.md``: every key of the schema with its default, what is allowed and its meaning."""
+    out = [
+        "# Configuration reference",
+        "",
+        "Generated from `zclaw/config.py` by `zclaw config docs > docs/configuration.md`; a test fails when this",
+        "file and the schema disagree. Values come from the defaults below, then `--config FILE` (TOML), then",
+        "`--set section.key=value` (repeatable), then a command's own flags. Unknown keys and values that are not",
+        "allowed are rejected with the key named.",
+        "",
+    ]
+    for sec, keys in SCHEMA.items():
+        out += [f"## [{sec}]", "", "| key | default | allowed | meaning |", "|---|---|---|---|"]
+        for name, key in keys.items():
+            default = to_toml({"x": {"v": key.default}}).splitlines()[1][4:]
+            out.append(f"| `{name}` | `{default}` | {key.allowed()} | {key.doc} |")
+        out.append("")
+    return "\n".join(out)
