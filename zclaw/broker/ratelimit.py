@@ -59,8 +59,9 @@ class SampleToInsertRatio:
             raise ValueError(f"error_buffer = {error_buffer!r} must be a finite number >= 0")
         if samples_per_insert > 0 and error_buffer < 1:
             raise ValueError(
-                f"error_buffer = {error_buffer!r} with samples_per_insert = {samples_per_insert!r}: the buffer must "
-                "be >= 1 segment, or every request waits in lockstep for single inserts (see the class docstring)"
+                f"error_buffer = {error_buffer!r} with samples_per_insert = {samples_per_insert!r}: "
+                "the buffer must be >= 1 segment, or every request waits in lockstep for single inserts "
+                "(see the class docstring)"
             )
         self.samples_per_insert = float(samples_per_insert)
         self.min_size = int(min_size)
@@ -84,7 +85,8 @@ class SampleToInsertRatio:
         if self.inserts < self.min_size:
             self.refused_min_size += 1
             return "min_size"
-        if self.samples_per_insert > 0 and self.samples + n > self.inserts * self.samples_per_insert + self.error_buffer:
+        bound = self.inserts * self.samples_per_insert + self.error_buffer
+        if self.samples_per_insert > 0 and self.samples + n > bound:
             self.refused_rate += 1
             return "rate_limited"
         return None

@@ -173,9 +173,10 @@ class GymBatchedEnv:
         """Step env i with ``action[i]`` (already clipped); auto-reset ended episodes (see module doc)."""
         if self._needs_reset:
             raise RuntimeError("GymBatchedEnv.step called before reset()")
-        acts = action.detach().to("cpu", torch.float32).numpy().reshape((self.num_envs,) + self.spec.action_shape)
-        if acts.shape[0] != self.num_envs:
-            raise ValueError(f"action has {acts.shape[0]} rows for {self.num_envs} envs")
+        want = (self.num_envs,) + self.spec.action_shape
+        if tuple(action.shape) != want:
+            raise ValueError(f"action has shape {list(action.shape)}, expected {list(want)} (one row per env)")
+        acts = action.detach().to("cpu", torch.float32).numpy()
         final_obs: Dict[int, torch.Tensor] = {}
         episodes: List[Dict[str, Any]] = []
         for i, env in enumerate(self.envs):

@@ -39,8 +39,10 @@ def rng_state() -> Dict[str, Any]:
     py_state = random.getstate()
     return {
         "torch": torch.get_rng_state(),
-        "numpy": {"name": np_state[0], "keys": torch.from_numpy(np_state[1].astype(np.int64)),
-                  "pos": int(np_state[2]), "has_gauss": int(np_state[3]), "cached_gaussian": float(np_state[4])},
+        "numpy": {
+            "name": np_state[0], "keys": torch.from_numpy(np_state[1].astype(np.int64)),
+            "pos": int(np_state[2]), "has_gauss": int(np_state[3]), "cached_gaussian": float(np_state[4]),
+        },
         "python": [py_state[0], list(py_state[1]), py_state[2]],
     }
 
@@ -91,7 +93,7 @@ def save(
     spec: Mapping[str, Any],
     extra: Optional[Mapping[str, Any]] = None,
 ) -> Path:
-    """Write ``ckpt-<version>.pt`` and ``latest.pt`` atomically into ``directory``; return the numbered path."""
+    """Write ``ckpt-<version>.pt`` and ``latest.pt`` atomically into ``directory``; return the first."""
     directory = Path(directory)
     directory.mkdir(parents=True, exist_ok=True)
     state = {
@@ -131,10 +133,11 @@ def find(path_or_dir: Union[str, Path]) -> Optional[Path]:
 
 
 def load(path_or_dir: Union[str, Path], map_location: Any = "cpu") -> Dict[str, Any]:
-    """Read a checkpoint (a file, or a directory's ``latest.pt``); raise :class:`CheckpointError` if unusable."""
+    """Read a checkpoint (a file, or a directory's ``latest.pt``); :class:`CheckpointError` if unusable."""
     p = find(path_or_dir)
     if p is None:
-        raise CheckpointError(f"no checkpoint at {path_or_dir} (expected a .pt file or a directory with {LATEST})")
+        raise CheckpointError(f"no checkpoint at {path_or_dir} (expected a .pt file or a directory with "
+                              f"{LATEST})")
     try:
         state = torch.load(str(p), map_location=map_location, weights_only=True)
     except Exception as exc:  # torch raises several types on a truncated or foreign file

@@ -18,7 +18,7 @@ trained here yet.
 """
 from __future__ import annotations
 
-from typing import Any, Dict, Mapping
+from typing import Any, Dict, Mapping, Tuple
 
 import numpy as np
 import torch
@@ -53,13 +53,72 @@ class Trainer:
         q = self.model.q(x)
         return q.gather(-1, option.unsqueeze(-1)).squeeze(-1)
 
-    def _logp(self, x: torch.Tensor, option: torch.Tensor, action: torch.Tensor):
+    def _logp(
+        self, x: torch.Tensor, option: torch.Tensor, action: torch.Tensor
+    ) -> Tuple[torch.Tensor, torch.Tensor]:
         """log pi_o(a|s) of the executing option, and that option's log std (for the entropy)."""
         mean_all = self.model.action_mean(x)  # [..., K, A]
         idx = option.reshape(option.shape + (1, 1)).expand(option.shape + (1, self.model.A))
         mean = mean_all.gather(-2, idx).squeeze(-2)
         log_std = self.model.log_std[option]
         return self.model.gaussian_logp(action, mean, log_std), log_std
+
+    # -- targets ----------------------------------------------------------------------------------------
+    @torch.no_grad()
+    def prepare(self, batch: Message, version: int, update_norm: bool = True) -> Dict[str, Any]:
+        """Lay the batch out time-major and compute, once and without gradient, the V-trace targets.
+
+        Returns time-major tensors ``[T, B*N, ...]`` (column ``b*N + n``): ``x`` (normalised obs, T+1
+        rows), ``action``, ``option``, ``logp_mu``, ``weight``, ``values``, ``rewards`` and ``discounts``
+        (after :func:`~zclaw.policy.losses.episode_boundaries`), ``log_rhos``, ``vs``, ``adv``; plus
+        ``lag`` (numpy, per step and segment) and ``priorities`` [B] (mean |advantage| per segment).
+        """
+        c = self.cfg
+        a = batch.arrays
+        B, T, N = a["action"].shape[:3]
+        gamma = float(c["gamma"])
+        model = self.model
+        D = model.cfg.obs_dim
+
+        obs = self._tensor(a["obs"]).reshape(B, T + 1, N, D)
+        if update_norm:
+            model.obs_norm.update(obs[:, :T])  # every step once (row T is the next segment's row 0)
+        x = model.obs_norm(self._time_major(obs))  # [T+1, BN, D]
+        action = self._time_major(self._tensor(a["action"]).reshape(B, T, N, model.A))
+        reward = self._time_major(self._tensor(a["reward"]))
+        terminated = self._time_major(self._tensor(a["terminated"], torch.bool))
+        truncated = self._time_major(self._tensor(a["truncated"], torch.bool))
+        option = self._time_major(self._tensor(a["option"], torch.long)).clamp(0, model.K - 1)
+        logp_mu = self._time_major(self._tensor(a["logp_action"]))
+        weight = self._tensor(a["is_weight"]).repeat_interleave(N).unsqueeze(0).expand(T, B * N)
+        lag = int(version) - a["policy_version"].astype(np.int64)  # [B, T]
+
+        values = self._values(x[:T], option)  # V(x_t) = Q(x_t, o_t)
+        # the option in effect continues into x_T unless it terminates: Q(x_T, o_{T-1}) bootstraps
+        bootstrap = self._values(x[T], option[T - 1])
+        logp_pi, _ = self._logp(x[:T], option, action)
+        log_rhos = logp_pi - logp_mu
+
+        # V(final_obs) at the truncated steps, which carry it sparsely as final_at rows (b, t, n)
+        final_values = torch.zeros_like(reward)
+        fa = np.asarray(a["final_at"], dtype=np.int64)
+        if fa.shape[0]:
+            fb, ft, fn = (torch.as_tensor(fa[:, i], device=self.device) for i in range(3))
+            col = fb * N + fn
+            fx = model.obs_norm(self._tensor(a["final_obs"]).reshape(-1, D))
+            final_values[ft, col] = self._values(fx, option[ft, col])
+        rewards, discounts = losses.episode_boundaries(reward, terminated, truncated, gamma, final_values)
+
+        vs, adv = losses.vtrace(
+            values, bootstrap, rewards, discounts, log_rhos,
+            rho_bar=float(c["rho_bar"]), c_bar=float(c["c_bar"]), lam=float(c["lam"]),
+        )
+        return {
+            "x": x, "action": action, "option": option, "logp_mu": logp_mu, "weight": weight,
+            "values": values, "bootstrap": bootstrap, "final_values": final_values, "rewards": rewards,
+            "discounts": discounts, "log_rhos": log_rhos, "vs": vs, "adv": adv, "lag": lag,
+            "priorities": adv.abs().reshape(T, B, N).mean(dim=(0, 2)),
+        }
 
     # -- the update -----------------------------------------------------------------------------------
     def update(self, batch: Message, version: int) -> Dict[str, Any]:
@@ -70,66 +129,18 @@ class Trainer:
         mean |advantage| per segment, for the next sample request (prioritized mode).
         """
         c = self.cfg
-        a = batch.arrays
-        B, T, N = a["action"].shape[:3]
-        gamma = float(c["gamma"])
         model = self.model
-
-        obs = self._tensor(a["obs"])  # [B, T+1, N, *obs]
-        obs_dim = model.cfg.obs_dim
-        obs = obs.reshape(B, T + 1, N, obs_dim)
-        model.obs_norm.update(obs[:, :T])  # every step once (row T is the next segment's row 0)
-        obs_tm = self._time_major(obs)  # [T+1, BN, D]
-        action = self._time_major(self._tensor(a["action"]).reshape(B, T, N, model.A))
-        reward = self._time_major(self._tensor(a["reward"]))
-        terminated = self._time_major(self._tensor(a["terminated"], torch.bool))
-        truncated = self._time_major(self._tensor(a["truncated"], torch.bool))
-        option = self._time_major(self._tensor(a["option"], torch.long)).clamp(0, model.K - 1)
-        logp_mu = self._time_major(self._tensor(a["logp_action"]))
-        is_weight = self._tensor(a["is_weight"]).repeat_interleave(N)  # [BN], column b*N + n
-        weight = is_weight.unsqueeze(0).expand(T, B * N)
-        lag = (int(version) - a["policy_version"].astype(np.int64)).reshape(-1)
-
-        with torch.no_grad():
-            x = model.obs_norm(obs_tm)
-            values = self._values(x[:T], option)  # V(x_t) = Q(x_t, o_t)
-            # the option in effect continues into x_T unless it terminates: Q(x_T, o_{T-1}) bootstraps
-            bootstrap = self._values(x[T], option[T - 1])
-            logp_pi, _ = self._logp(x[:T], option, action)
-            log_rhos = logp_pi - logp_mu
-
-            # episode boundaries: no trace and no bootstrap across a done step ...
-            done = terminated | truncated
-            discounts = gamma * (~done).to(torch.float32)
-            rewards = reward.clone()
-            # ... except that a time-limit truncation bootstraps from the real final observation:
-            # r_t + gamma * V(final_obs), with discount 0 so the trace is still cut there.
-            fa = np.asarray(a["final_at"], dtype=np.int64)
-            if fa.shape[0]:
-                fb, ft, fn = (torch.as_tensor(fa[:, i], device=self.device) for i in range(3))
-                col = fb * N + fn
-                fx = model.obs_norm(self._tensor(a["final_obs"]).reshape(-1, obs_dim))
-                v_final = self._values(fx, option[ft, col])
-                is_trunc = truncated[ft, col] & ~terminated[ft, col]
-                rewards[ft, col] += gamma * v_final * is_trunc.to(torch.float32)
-
-            vs, pg_adv = losses.vtrace(
-                values, bootstrap, rewards, discounts, log_rhos,
-                rho_bar=float(c["rho_bar"]), c_bar=float(c["c_bar"]), lam=float(c["lam"]),
-            )
-            rhos = torch.exp(log_rhos)
-            priorities = pg_adv.abs().reshape(T, B, N).mean(dim=(0, 2))
-
-        # flat samples for minibatching
-        S = T * B * N
+        p = self.prepare(batch, version)
+        T = p["values"].shape[0]
+        S = p["values"].numel()
         flat = {
-            "x": x[:T].reshape(S, obs_dim),
-            "action": action.reshape(S, model.A),
-            "option": option.reshape(S),
-            "logp_mu": logp_mu.reshape(S),
-            "adv": pg_adv.reshape(S),
-            "vs": vs.reshape(S),
-            "w": weight.reshape(S),
+            "x": p["x"][:T].reshape(S, model.cfg.obs_dim),
+            "action": p["action"].reshape(S, model.A),
+            "option": p["option"].reshape(S),
+            "logp_mu": p["logp_mu"].reshape(S),
+            "adv": p["adv"].reshape(S),
+            "vs": p["vs"].reshape(S),
+            "w": p["weight"].reshape(S),
         }
         n_mb = max(1, min(int(c["minibatches"]), S))
         clip = float(c["clip"])
@@ -163,24 +174,26 @@ class Trainer:
                     ratio = log_ratio.exp()
                     sums["approx_kl"] += float(((ratio - 1) - log_ratio).mean())  # k3 estimator, >= 0
                     sums["clip_frac"] += float(((ratio - 1).abs() > clip).float().mean())
-                sums["policy_loss"] += float(pg)
-                sums["value_loss"] += float(vl)
-                sums["entropy"] += float(ent)
-                sums["loss"] += float(loss)
+                sums["policy_loss"] += float(pg.detach())
+                sums["value_loss"] += float(vl.detach())
+                sums["entropy"] += float(ent.detach())
+                sums["loss"] += float(loss.detach())
                 sums["grad_norm"] += float(gn)
                 count += 1
 
+        rhos = torch.exp(p["log_rhos"])
+        lag = p["lag"]
         metrics: Dict[str, Any] = {k: (v / count if count else float("nan")) for k, v in sums.items()}
         metrics.update(
             rho_mean=float(rhos.mean()),
             rho_clipped_frac=float((rhos > float(c["rho_bar"])).float().mean()),
             lag_mean=float(lag.mean()) if lag.size else 0.0,
             lag_max=float(lag.max()) if lag.size else 0.0,
-            explained_variance=losses.explained_variance(values, vs),
-            value_mean=float(values.mean()),
-            adv_mean=float(pg_adv.mean()),
+            explained_variance=losses.explained_variance(p["values"], p["vs"]),
+            value_mean=float(p["values"].mean()),
+            adv_mean=float(p["adv"].mean()),
             skipped_steps=float(self.skipped_steps),
             steps=float(S),
         )
-        metrics["priorities"] = [float(p) for p in priorities.cpu()]
+        metrics["priorities"] = [float(v) for v in p["priorities"].cpu()]
         return metrics

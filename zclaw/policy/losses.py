@@ -22,6 +22,31 @@ from typing import Optional, Tuple
 import torch
 
 
+def episode_boundaries(
+    rewards: torch.Tensor,
+    terminated: torch.Tensor,
+    truncated: torch.Tensor,
+    gamma: float,
+    final_values: torch.Tensor,
+) -> Tuple[torch.Tensor, torch.Tensor]:
+    """Per-step discounts and rewards that respect episode ends, for :func:`vtrace`::
+
+        done_t      = terminated_t or truncated_t
+        gamma_t     = gamma * (1 - done_t)                       no trace, no bootstrap across an episode end
+        r'_t        = r_t + gamma * V(final_obs_t)   if truncated_t and not terminated_t   (time limit)
+        r'_t        = r_t                            otherwise                               (terminal: V = 0)
+
+    A time-limit truncation is not a terminal state, so its return continues past the limit; the
+    autoreset replaced ``x_{t+1}`` by the next episode's first observation, so the bootstrap uses the
+    real final observation instead, folded into the reward while the discount is 0 (the trace is cut).
+    ``final_values`` [T, B] holds V(final_obs) where a step was truncated (anything elsewhere).
+    """
+    done = terminated | truncated
+    discounts = gamma * (~done).to(rewards.dtype)
+    bootstrap_here = truncated & ~terminated
+    return torch.where(bootstrap_here, rewards + gamma * final_values, rewards), discounts
+
+
 @torch.no_grad()
 def vtrace(
     values: torch.Tensor,

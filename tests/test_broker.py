@@ -1,0 +1,386 @@
+"""The broker as a real process: a test acts as a worker (PUSH) and as a learner (REQ) on loopback."""
+from __future__ import annotations
+
+import os
+import signal
+import socket
+import subprocess
+import sys
+import tempfile
+import time
+from typing import Any, Callable, Dict, List, Optional
+
+import msgpack
+import numpy as np
+import pytest
+import zmq
+
+from zclaw import __version__
+from zclaw.wire.messages import SEGMENT_ARRAYS, EnvSpec, Segment, batch_dims, make, parse
+from zclaw.wire.protocol import Message
+
+SPEC = EnvSpec("test:Dummy-v0", (10,), (2,), (-1.0, -1.0), (1.0, 1.0))
+T, N = 4, 3
+
+
+# ------------------------------------------------------------------------------------------ helpers
+
+
+def free_port() -> int:
+    s = socket.socket()
+    s.bind(("127.0.0.1", 0))
+    port = s.getsockname()[1]
+    s.close()
+    return port
+
+
+def seg_arrays(
+    rng: np.random.Generator, version: Any = 0, T: int = T, N: int = N, M: int = 1
+) -> Dict[str, np.ndarray]:
+    out: Dict[str, np.ndarray] = {}
+    for name, (dtype, shape_of) in SEGMENT_ARRAYS.items():
+        shape = shape_of(T, N, SPEC)
+        if dtype == "<f4":
+            out[name] = rng.standard_normal(shape).astype("<f4")
+        elif dtype == "|b1":
+            out[name] = rng.random(shape) < 0.3
+        elif dtype == "<i4":
+            out[name] = rng.integers(0, 3, shape).astype("<i4")
+        else:
+            out[name] = np.broadcast_to(np.asarray(version, dtype="<i8"), shape).copy()
+    out["final_obs"] = rng.standard_normal((M,) + SPEC.obs_shape).astype("<f4")
+    rows = np.stack([rng.integers(0, T, M), rng.integers(0, N, M)], axis=1)
+    out["final_at"] = rows.astype("<i4").reshape(M, 2)
+    return out
+
+
+class Worker:
+    """A stand-in worker: a real PUSH socket speaking protocol v1."""
+
+    def __init__(self, ctx: zmq.Context, port: int, identity: str = "w0-test") -> None:
+        self.sock = ctx.socket(zmq.PUSH)
+        self.sock.setsockopt(zmq.LINGER, 1000)
+        self.sock.connect(f"tcp://127.0.0.1:{port}")
+        self.identity = identity
+        self.seq = 0
+
+    def hello(self, spec: EnvSpec = SPEC) -> None:
+        self.send(make("hello", role="worker", identity=self.identity, host="testhost", pid=os.getpid(),
+                       zclaw=__version__, spec=spec.to_dict()))
+
+    def segment(
+        self,
+        arrays: Dict[str, np.ndarray],
+        episodes: Optional[list] = None,
+        spec_hash: Optional[str] = None,
+        worker: Optional[str] = None,
+    ) -> Segment:
+        seg = Segment(worker or self.identity, self.seq, spec_hash or SPEC.hash, arrays, episodes or [])
+        self.seq += 1
+        self.send(seg.frames())
+        return seg
+
+    def send(self, frames: List[Any]) -> None:
+        self.sock.send_multipart(frames, copy=False)
+
+    def close(self) -> None:
+        self.sock.close()
+
+
+class BrokerProc:
+    """``zclaw broker`` in a subprocess, with the test as its learner (REQ)."""
+
+    def __init__(self, *overrides: str) -> None:
+        self.ingest_port, self.serve_port = free_port(), free_port()
+        args = [sys.executable, "-m", "zclaw.cli", "broker",
+                "--set", f"network.ingest_port={self.ingest_port}",
+                "--set", f"network.serve_port={self.serve_port}",
+                "--set", 'log.format="json"', "--set", "log.status_s=1"]
+        for o in overrides:
+            args += ["--set", o]
+        self.log = tempfile.TemporaryFile()
+        self.proc = subprocess.Popen(args, stdout=self.log, stderr=subprocess.STDOUT)
+        self.ctx = zmq.Context()
+        deadline = time.monotonic() + 20
+        while True:
+            assert self.proc.poll() is None, f"broker exited early:\n{self.output()}"
+            if self.request(make("status"), timeout_s=0.5, check=False) is not None:
+                break
+            assert time.monotonic() < deadline, f"broker did not answer status:\n{self.output()}"
+
+    def output(self) -> str:
+        self.log.seek(0)
+        return self.log.read().decode(errors="replace")[-5000:]
+
+    def request(self, frames: List[Any], timeout_s: float = 5.0, check: bool = True) -> Optional[Message]:
+        sock = self.ctx.socket(zmq.REQ)
+        sock.setsockopt(zmq.LINGER, 0)
+        sock.connect(f"tcp://127.0.0.1:{self.serve_port}")
+        try:
+            sock.send_multipart(frames, copy=False)
+            if not sock.poll(int(timeout_s * 1000)):
+                assert not check, f"no reply from broker:\n{self.output()}"
+                return None
+            return parse(sock.recv_multipart())
+        finally:
+            sock.close()
+
+    def status(self) -> Dict[str, Any]:
+        reply = self.request(make("status"))
+        assert reply.kind == "status" and reply["role"] == "broker"
+        return reply["report"]
+
+    def sample(
+        self, n: int, version: int = 0, keys: Optional[list] = None, prios: Optional[list] = None
+    ) -> Message:
+        return self.request(make("sample", batch_size=n, version=version, priority_keys=keys or [],
+                                 priorities=prios or []))
+
+    def wait_for(
+        self, pred: Callable[[Dict[str, Any]], bool], what: str, timeout_s: float = 10.0
+    ) -> Dict[str, Any]:
+        deadline = time.monotonic() + timeout_s
+        while True:
+            report = self.status()
+            if pred(report):
+                return report
+            assert time.monotonic() < deadline, f"timed out waiting for {what}; last report: {report}"
+            time.sleep(0.02)
+
+    def stop(self) -> None:
+        """SIGTERM must make it exit 0 within 5 s."""
+        t0 = time.monotonic()
+        self.proc.send_signal(signal.SIGTERM)
+        try:
+            rc = self.proc.wait(timeout=5)
+        except subprocess.TimeoutExpired:
+            self.proc.kill()
+            self.proc.wait()
+            pytest.fail(f"broker did not exit within 5 s of SIGTERM:\n{self.output()}")
+        self.ctx.destroy(linger=0)
+        assert rc == 0, f"broker exit code {rc}:\n{self.output()}"
+        assert time.monotonic() - t0 < 5
+
+    def kill(self) -> None:
+        if self.proc.poll() is None:
+            self.proc.kill()
+            self.proc.wait()
+        self.ctx.destroy(linger=0)
+
+
+@pytest.fixture
+def start_broker():
+    started: List[BrokerProc] = []
+
+    def start(*overrides: str) -> BrokerProc:
+        b = BrokerProc(*overrides)
+        started.append(b)
+        return b
+
+    yield start
+    for b in started:
+        b.kill()
+
+
+def assert_same_segment(batch: Message, b: int, arrays: Dict[str, np.ndarray]) -> None:
+    for name in SEGMENT_ARRAYS:
+        got, want = batch.arrays[name][b], arrays[name]
+        assert got.dtype == want.dtype and got.shape == want.shape, name
+        assert got.tobytes() == want.tobytes(), name
+    rows = batch.arrays["final_at"][:, 0] == b
+    assert batch.arrays["final_at"][rows, 1:].tobytes() == arrays["final_at"].tobytes()
+    assert batch.arrays["final_obs"][rows].tobytes() == arrays["final_obs"].tobytes()
+
+
+def with_header(frames: List[Any], **changes: Any) -> List[Any]:
+    header = msgpack.unpackb(bytes(frames[0]), raw=False)
+    header.update(changes)
+    return [msgpack.packb(header, use_bin_type=True)] + list(frames[1:])
+
+
+# -------------------------------------------------------------------------------------------- tests
+
+
+def test_data_flows_bit_for_bit_and_hostile_input_is_dropped_and_counted(start_broker) -> None:
+    broker = start_broker(
+        'broker.mode="queue"', "broker.capacity=16", "broker.min_size=2", "broker.max_reuse=1",
+        "network.max_message_mb=1",
+    )
+    rng = np.random.default_rng(0)
+    report = broker.status()
+    assert report["spec"] is None and report["fill"] == 0 and report["capacity"] == 16
+
+    good = Worker(broker.ctx, broker.ingest_port)
+    good.segment(seg_arrays(rng))  # before any hello: the broker cannot know the spec
+    broker.wait_for(lambda r: r["drops"].get("no_spec") == 1, "no_spec drop")
+
+    good.hello()
+    report = broker.wait_for(lambda r: r["spec"] is not None, "spec adoption")
+    assert report["spec"] == SPEC.to_dict()
+    me = report["workers"]["w0-test"]
+    assert me["host"] == "testhost" and me["pid"] == os.getpid()
+
+    # min_size = 2: no batch with fewer inserts
+    reply = broker.sample(2)
+    assert reply.kind == "retry" and reply["reason"] == "min_size" and reply["retry_ms"] == 20
+    episodes0 = [{"return": 3.5, "length": 10, "success": True}]
+    episodes1 = [{"return": -1.5, "length": 7, "success": False}, {"return": 0.5, "length": 2}]
+    seg0 = good.segment(seg_arrays(rng, version=0), episodes=episodes0)
+    broker.wait_for(lambda r: r["inserted_segments"] == 1, "first insert")
+    assert broker.sample(2)["reason"] == "min_size"
+    seg1 = good.segment(seg_arrays(rng, version=0), episodes=episodes1)
+    broker.wait_for(lambda r: r["inserted_segments"] == 2, "second insert")
+
+    batch = broker.sample(2, version=1)
+    assert batch.kind == "batch", batch.header
+    assert batch_dims(batch, SPEC) == (2, T, N, 2)
+    assert batch["keys"] == [0, 1] and batch["seqs"] == [1, 2] and batch["workers"] == ["w0-test", "w0-test"]
+    assert batch["spec_hash"] == SPEC.hash
+    assert batch["episodes"] == episodes0 + episodes1
+    assert_same_segment(batch, 0, seg0.arrays)
+    assert_same_segment(batch, 1, seg1.arrays)
+    assert batch.arrays["is_weight"].tolist() == [1.0, 1.0]
+
+    # max_reuse = 1: both were used up
+    reply = broker.sample(1)
+    assert reply.kind == "retry" and reply["reason"] == "not_enough_data"
+
+    # a segment stored before the attack must come back unchanged after it
+    seg2 = good.segment(seg_arrays(rng, version=1))
+    broker.wait_for(lambda r: r["inserted_segments"] == 3, "third insert")
+
+    bad = Worker(broker.ctx, broker.ingest_port, identity="evil")
+    bad.send([np.random.default_rng(1).bytes(1000)])  # garbage
+    # unknown protocol version
+    bad.send(with_header(Segment("evil", 0, SPEC.hash, seg_arrays(rng)).frames(), v=2))
+    wrong_dtype = seg_arrays(rng)
+    wrong_dtype["obs"] = wrong_dtype["obs"].astype("<f8")
+    bad.segment(wrong_dtype)
+    wrong_shape = seg_arrays(rng)
+    wrong_shape["obs"] = np.zeros((T + 1, N, 9), "<f4")
+    bad.segment(wrong_shape)
+    nan_reward = seg_arrays(rng)
+    nan_reward["reward"][1, 2] = np.nan
+    bad.segment(nan_reward)
+    # ~1.4 MiB > max_message_mb = 1 (it would also be bad_shape: T differs; oversize must be seen first)
+    bad.segment(seg_arrays(rng, T=20_000, N=1))
+    bad.segment(seg_arrays(rng), spec_hash="0123456789abcdef")
+    other = EnvSpec("test:Other-v0", (10,), (2,), (-1.0, -1.0), (1.0, 1.0))
+    bad.hello(other)
+    seg3 = good.segment(seg_arrays(rng, version=1))  # the well-behaved worker keeps going
+
+    expected = {
+        "no_spec": 1, "malformed": 1, "bad_version": 1, "bad_dtype": 1, "bad_shape": 1, "non_finite": 1,
+        "oversize": 1, "bad_spec": 2,
+    }
+    report = broker.wait_for(lambda r: r["drops"] == expected and r["inserted_segments"] == 4, "the drops")
+    assert report["fill"] == 2
+    assert "evil" not in report["workers"] or report["workers"]["evil"]["segments"] == 0
+
+    batch = broker.sample(2, version=2)
+    assert batch.kind == "batch" and batch["keys"] == [2, 3]
+    assert_same_segment(batch, 0, seg2.arrays)
+    assert_same_segment(batch, 1, seg3.arrays)
+
+    # bad requests on the serve socket get an error reply (a REQ must never be left hanging) and are counted
+    for frames, cause in [
+        ([b"\xc1garbage"], "malformed"),
+        (make("hello", role="x", identity="x", host="h", pid=1, zclaw="0", spec=None), "unexpected_kind"),
+        (make("sample", batch_size=0, version=0), "bad_value"),
+        (make("sample", batch_size=17, version=0), "bad_value"),
+    ]:
+        reply = broker.request(frames)
+        assert reply.kind == "error" and reply["reason"], cause
+
+    report = broker.status()
+    assert report["drops"]["malformed"] == 2 and report["drops"]["unexpected_kind"] == 1
+    assert report["drops"]["bad_value"] == 2
+    w = report["workers"]["w0-test"]
+    assert w["segments"] == 4 and w["steps"] == 4 * T * N and w["version"] == 1 and w["last_seen_s"] < 10
+    assert report["inserted_steps"] == 4 * T * N
+    assert report["sampled_segments"] == 4 and report["batches"] == 2
+    assert report["episodes"] == 3
+    assert report["return_mean_100"] == pytest.approx((3.5 - 1.5 + 0.5) / 3)
+    assert report["success_rate_100"] == pytest.approx(0.5)
+    # lag per step x env: batch 1 (version 1) of data at 0 and batch 2 (version 2) of data at 1: all lag 1
+    assert report["lag_hist"] == {"0": 0, "1": 4 * T * N, "2": 0, "3-4": 0, "5-8": 0, "9-16": 0, "17+": 0}
+    assert report["retries"] == {"min_size": 2, "not_enough_data": 1}
+    assert report["uptime_s"] > 0
+    good.close()
+    bad.close()
+    broker.stop()
+
+
+def test_rate_limiter_samples_per_insert(start_broker) -> None:
+    broker = start_broker("broker.mode=\"uniform\"", "broker.max_reuse=0", "broker.samples_per_insert=1.0",
+                          "broker.spi_error_buffer=1.0", "broker.min_size=1")
+    rng = np.random.default_rng(2)
+    w = Worker(broker.ctx, broker.ingest_port)
+    w.hello()
+    w.segment(seg_arrays(rng))
+    w.segment(seg_arrays(rng))
+    broker.wait_for(lambda r: r["inserted_segments"] == 2, "inserts")
+    # allowed iff samples + n <= inserts * 1.0 + 1.0 = 3
+    for _ in range(3):
+        assert broker.sample(1).kind == "batch"
+    reply = broker.sample(1)
+    assert reply.kind == "retry" and reply["reason"] == "rate_limited"
+    w.segment(seg_arrays(rng))
+    broker.wait_for(lambda r: r["inserted_segments"] == 3, "third insert")
+    assert broker.sample(1).kind == "batch"
+    assert broker.sample(1)["reason"] == "rate_limited"
+    report = broker.status()
+    assert report["retries"] == {"rate_limited": 2} and report["sampled_segments"] == 4
+    w.close()
+    broker.stop()
+
+
+def test_max_reuse_priorities_and_max_staleness(start_broker) -> None:
+    broker = start_broker("broker.mode=\"prioritized\"", "broker.max_reuse=2", "broker.min_size=1",
+                          "broker.capacity=8", "broker.max_staleness=3")
+    rng = np.random.default_rng(3)
+    w = Worker(broker.ctx, broker.ingest_port)
+    w.hello()
+    segs = [w.segment(seg_arrays(rng, version=0)) for _ in range(2)]
+    broker.wait_for(lambda r: r["inserted_segments"] == 2, "inserts")
+
+    first = broker.sample(2, version=1)
+    assert first.kind == "batch" and sorted(first["keys"]) == [0, 1]
+    assert float(first.arrays["is_weight"].max()) == 1.0
+    for b, k in enumerate(first["keys"]):
+        assert_same_segment(first, b, segs[k].arrays)
+    second = broker.sample(2, version=1, keys=first["keys"], prios=[0.5, 2.0])
+    assert second.kind == "batch" and sorted(second["keys"]) == [0, 1]
+    assert second["episodes"] == []  # not the first time these were sampled
+    # max_reuse = 2: both are gone; a request with broken priorities is still answered, and counted
+    reply = broker.sample(1, version=1, keys=second["keys"], prios=[float("nan"), 1.0])
+    assert reply.kind == "retry" and reply["reason"] == "not_enough_data"
+    assert broker.status()["drops"] == {"bad_value": 1}
+
+    # max_staleness = 3: data acted by version 0 is dropped when the learner is at version 4
+    w.segment(seg_arrays(rng, version=np.array([0, 4, 4, 4])))
+    w.segment(seg_arrays(rng, version=4))
+    broker.wait_for(lambda r: r["inserted_segments"] == 4, "more inserts")
+    assert broker.sample(2, version=4)["reason"] == "not_enough_data"
+    report = broker.status()
+    assert report["drops"]["stale"] == 1 and report["fill"] == 1
+    batch = broker.sample(1, version=4)
+    assert batch.kind == "batch" and batch["keys"] == [3]
+    w.close()
+    broker.stop()
+
+
+def test_sigterm_exits_cleanly_while_traffic_flows(start_broker) -> None:
+    broker = start_broker("broker.capacity=4", "broker.max_reuse=1")
+    rng = np.random.default_rng(4)
+    w = Worker(broker.ctx, broker.ingest_port)
+    w.sock.setsockopt(zmq.LINGER, 0)
+    w.hello()
+    for _ in range(20):
+        w.segment(seg_arrays(rng))
+    broker.wait_for(lambda r: r["inserted_segments"] == 20, "inserts")
+    report = broker.status()
+    assert report["fill"] == 4 and report["drops"] == {"evicted_unused": 16}
+    assert report["insert_rate"] > 0 and report["workers"]["w0-test"]["rate"] > 0
+    w.close()
+    broker.stop()

@@ -1,0 +1,247 @@
+"""Trainer updates on synthetic batches in the wire's batch layout, and checkpoint round trips."""
+from __future__ import annotations
+
+from typing import Dict, Optional
+
+import numpy as np
+import pytest
+import torch
+
+from zclaw import config
+from zclaw.learner import checkpoint as ckpt
+from zclaw.learner.trainer import Trainer
+from zclaw.policy.networks import OptionPolicy
+from zclaw.policy.weights import policy_config
+from zclaw.wire import EnvSpec, Message, make, parse
+from zclaw.wire.messages import batch_dims
+
+
+def spec_of(obs_dim: int, act_dim: int) -> EnvSpec:
+    return EnvSpec("test:Synthetic-v0", (obs_dim,), (act_dim,), (-1.0,) * act_dim, (1.0,) * act_dim)
+
+
+def batch_message(spec: EnvSpec, arrays: Dict[str, np.ndarray], episodes: Optional[list] = None) -> Message:
+    """Encode ``arrays`` as a real ``batch`` message and parse it back (what the learner receives)."""
+    B = arrays["action"].shape[0]
+    frames = make("batch", arrays, keys=list(range(B)), workers=["w"] * B, seqs=list(range(B)),
+                  episodes=episodes or [], spec_hash=spec.hash)
+    msg = parse(frames, ("batch",))
+    batch_dims(msg, spec)
+    return msg
+
+
+def empty_batch(spec: EnvSpec, B: int, T: int, N: int, version: int = 0) -> Dict[str, np.ndarray]:
+    D, A = spec.obs_shape[0], spec.action_shape[0]
+    return {
+        "obs": np.zeros((B, T + 1, N, D), np.float32),
+        "action": np.zeros((B, T, N, A), np.float32),
+        "reward": np.zeros((B, T, N), np.float32),
+        "terminated": np.zeros((B, T, N), bool),
+        "truncated": np.zeros((B, T, N), bool),
+        "option": np.zeros((B, T, N), np.int32),
+        "option_start": np.zeros((B, T, N), bool),
+        "logp_action": np.zeros((B, T, N), np.float32),
+        "logp_option": np.zeros((B, T, N), np.float32),
+        "policy_version": np.full((B, T), version, np.int64),
+        "final_obs": np.zeros((0, D), np.float32),
+        "final_at": np.zeros((0, 3), np.int32),
+        "is_weight": np.ones((B,), np.float32),
+    }
+
+
+def learner_cfg(**over) -> dict:
+    c = config.defaults()["learner"]
+    c.update(over)
+    return c
+
+
+def make_model(spec: EnvSpec, **policy) -> OptionPolicy:
+    p = config.defaults()["policy"]
+    p.update(policy)
+    return OptionPolicy(policy_config(p, spec))
+
+
+def bandit_batch(model: OptionPolicy, spec: EnvSpec, rng: np.random.Generator, N: int = 128) -> Message:
+    """One-step episodes: act with the model, reward = -|a - 0.5|, every step terminal."""
+    a = empty_batch(spec, 1, 1, N)
+    obs = rng.normal(size=(N, 1)).astype(np.float32)
+    a["obs"][0, 0] = obs
+    a["obs"][0, 1] = rng.normal(size=(N, 1)).astype(np.float32)
+    out = model.act(torch.from_numpy(obs), torch.zeros(N, dtype=torch.long), torch.ones(N, dtype=torch.bool))
+    act = out["action"].numpy()
+    a["action"][0, 0] = act
+    a["logp_action"][0, 0] = out["logp_action"].numpy()
+    a["reward"][0, 0] = -np.abs(act[:, 0] - 0.5)
+    a["terminated"][:] = True
+    return batch_message(spec, a)
+
+
+def mean_action(model: OptionPolicy, rng: np.random.Generator) -> float:
+    obs = torch.from_numpy(rng.normal(size=(256, 1)).astype(np.float32))
+    z, start = torch.zeros(256, dtype=torch.long), torch.ones(256, dtype=torch.bool)
+    out = model.act(obs, z, start, deterministic=True)
+    return float(out["action"].mean())
+
+
+def test_bandit_moves_the_mean_action_toward_the_best_action() -> None:
+    torch.manual_seed(0)
+    rng = np.random.default_rng(0)
+    spec = spec_of(1, 1)
+    model = make_model(spec, hidden=[32])
+    trainer = Trainer(model, learner_cfg(lr=3e-3, epochs=4, minibatches=2), "cpu")
+    before = mean_action(model, rng)
+    assert abs(before) < 0.1  # the actor's output layer starts near 0
+    first_value_loss = None
+    for version in range(60):
+        m = trainer.update(bandit_batch(model, spec, rng), version)
+        first_value_loss = m["value_loss"] if first_value_loss is None else first_value_loss
+        assert np.isfinite(m["policy_loss"]) and m["lag_mean"] == version  # batches were made at version 0
+    after = mean_action(model, rng)
+    assert abs(after - 0.5) < 0.15, (before, after)
+    assert abs(after - 0.5) < abs(before - 0.5) - 0.25
+    assert m["value_loss"] < first_value_loss  # the critic learned the reward level
+
+
+def test_metrics_and_priorities() -> None:
+    torch.manual_seed(1)
+    spec = spec_of(3, 2)
+    model = make_model(spec, hidden=[16])
+    trainer = Trainer(model, learner_cfg(epochs=2, minibatches=3), "cpu")
+    rng = np.random.default_rng(1)
+    a = empty_batch(spec, B=2, T=5, N=3, version=7)
+    a["obs"][:] = rng.normal(size=a["obs"].shape)
+    a["action"][:] = rng.normal(size=a["action"].shape)
+    a["reward"][0] = 0.01
+    a["reward"][1] = rng.normal(size=(5, 3)) * 10.0  # segment 1 is much more surprising
+    a["policy_version"][1] = [5, 5, 6, 6, 6]
+    a["logp_action"][:] = -20.0  # behaviour gave these actions tiny probability: rho = pi/mu >> 1
+    m = trainer.update(batch_message(spec, a), version=8)
+    for key in ("policy_loss", "value_loss", "entropy", "approx_kl", "clip_frac", "rho_mean",
+                "rho_clipped_frac", "lag_mean", "lag_max", "explained_variance"):
+        assert isinstance(m[key], float), key
+    assert m["lag_max"] == 3.0
+    assert m["lag_mean"] == pytest.approx((5 * 1 + 3 + 3 + 2 + 2 + 2) / 10)
+    assert m["rho_clipped_frac"] == 1.0 and m["rho_mean"] > 1.0
+    assert m["clip_frac"] == 1.0
+    assert len(m["priorities"]) == 2 and m["priorities"][1] > 10 * m["priorities"][0]
+
+
+def test_truncated_steps_bootstrap_from_final_obs_in_the_right_column() -> None:
+    torch.manual_seed(2)
+    spec = spec_of(2, 1)
+    model = make_model(spec, hidden=[8])
+    gamma = 0.9
+    trainer = Trainer(model, learner_cfg(gamma=gamma, rho_bar=1.0, c_bar=1.0), "cpu")
+    rng = np.random.default_rng(2)
+    B, T, N = 2, 3, 2
+    a = empty_batch(spec, B, T, N)
+    a["obs"][:] = rng.normal(size=a["obs"].shape)
+    a["reward"][:] = 1.0
+    a["truncated"][1, 0, 1] = True  # segment 1, step 0, env 1: time limit -> column 1*N + 1 = 3
+    a["terminated"][0, 1, 0] = True  # segment 0, step 1, env 0: terminal -> column 0
+    a["final_obs"] = np.array([[3.0, -2.0]], np.float32)
+    a["final_at"] = np.array([[1, 0, 1]], np.int32)
+    p = trainer.prepare(batch_message(spec, a), version=0, update_norm=False)
+    with torch.no_grad():
+        v_final = float(model.q(model.obs_norm(torch.tensor([[3.0, -2.0]])))[0, 0])
+    assert float(p["rewards"][0, 3]) == pytest.approx(1.0 + gamma * v_final, abs=1e-5)
+    assert float(p["discounts"][0, 3]) == 0.0 and float(p["discounts"][1, 0]) == 0.0
+    assert float(p["rewards"][1, 0]) == 1.0  # terminal: no bootstrap
+    # V-trace target at the truncated step is exactly r + gamma V(final_obs) (rho clipped to <= 1 times TD)
+    rho = min(1.0, float(torch.exp(p["log_rhos"][0, 3])))
+    v0 = float(p["values"][0, 3])
+    assert float(p["vs"][0, 3]) == pytest.approx(v0 + rho * (1.0 + gamma * v_final - v0), abs=1e-5)
+    assert float(p["vs"][1, 0]) == pytest.approx(v0_col(p, 1, 0) + rho_at(p, 1, 0) * (1.0 - v0_col(p, 1, 0)),
+                                                abs=1e-5)
+    # every other entry is unchanged by the final observation
+    mask = torch.ones(T, B * N, dtype=torch.bool)
+    mask[0, 3] = False
+    assert torch.all(p["rewards"][mask] == 1.0)
+
+
+def v0_col(p: dict, t: int, c: int) -> float:
+    return float(p["values"][t, c])
+
+
+def rho_at(p: dict, t: int, c: int) -> float:
+    return min(1.0, float(torch.exp(p["log_rhos"][t, c])))
+
+
+def test_zero_importance_weight_leaves_parameters_unchanged() -> None:
+    torch.manual_seed(3)
+    spec = spec_of(2, 1)
+    model = make_model(spec, hidden=[8])
+    trainer = Trainer(model, learner_cfg(lr=1e-2), "cpu")
+    a = empty_batch(spec, 2, 4, 2)
+    a["obs"][:] = np.random.default_rng(3).normal(size=a["obs"].shape)
+    a["reward"][:] = 5.0
+    a["is_weight"][:] = 0.0
+    params = [p.detach().clone() for p in model.parameters()]
+    trainer.update(batch_message(spec, a), 0)
+    assert all(torch.equal(p0, p1) for p0, p1 in zip(params, model.parameters()))
+    a["is_weight"][:] = 1.0
+    trainer.update(batch_message(spec, a), 0)
+    assert not all(torch.equal(p0, p1) for p0, p1 in zip(params, model.parameters()))
+
+
+def test_checkpoint_round_trip_restores_outputs_version_and_rng(tmp_path) -> None:
+    torch.manual_seed(4)
+    rng = np.random.default_rng(4)
+    spec = spec_of(1, 1)
+    cfg = config.defaults()
+    cfg["policy"]["hidden"] = [16]
+    model = OptionPolicy(policy_config(cfg["policy"], spec))
+    trainer = Trainer(model, learner_cfg(lr=3e-3), "cpu")
+    for v in range(3):
+        trainer.update(bandit_batch(model, spec, rng), v)
+    batch = bandit_batch(model, spec, rng)
+    path = ckpt.save(tmp_path, model, trainer.optimizer, version=3, updates=3, steps_consumed=384, config=cfg,
+                     spec=spec.to_dict())
+    assert path.name == "ckpt-00000003.pt" and (tmp_path / "latest.pt").is_file()
+    m_orig = trainer.update(batch, 3)  # continues from the saved RNG state
+
+    state = ckpt.load(tmp_path)
+    assert state["version"] == 3 and state["updates"] == 3 and state["steps_consumed"] == 384
+    assert state["config"]["policy"]["hidden"] == [16] and state["spec"] == spec.to_dict()
+    fresh = OptionPolicy(policy_config(cfg["policy"], spec))
+    fresh_trainer = Trainer(fresh, learner_cfg(lr=3e-3), "cpu")
+    ckpt.check_compatible(state, spec.to_dict(), fresh.cfg)
+    ckpt.restore(state, fresh, fresh_trainer.optimizer, rng=False)
+    # identical outputs (including the observation normaliser statistics) ...
+    reloaded = OptionPolicy(policy_config(cfg["policy"], spec))
+    ckpt.restore(ckpt.load(tmp_path / "latest.pt"), reloaded, rng=False)
+    obs = torch.randn(10, 1)
+    z, start = torch.zeros(10, dtype=torch.long), torch.ones(10, dtype=torch.bool)
+    for k in ("action", "logp_action"):
+        torch.testing.assert_close(reloaded.act(obs, z, start, deterministic=True)[k],
+                                   fresh.act(obs, z, start, deterministic=True)[k], rtol=0, atol=0)
+    # ... and the next update is the same one, bit for bit (optimiser moments and RNG restored)
+    ckpt.restore(state, fresh, fresh_trainer.optimizer)  # now with the RNG states, right before the update
+    m_fresh = fresh_trainer.update(batch, 3)
+    for k in ("policy_loss", "value_loss", "approx_kl"):
+        assert m_fresh[k] == m_orig[k], k
+    for p0, p1 in zip(model.parameters(), fresh.parameters()):
+        assert torch.equal(p0, p1)
+
+
+def test_checkpoint_refuses_another_spec_or_architecture_and_keeps_three(tmp_path) -> None:
+    spec = spec_of(2, 1)
+    cfg = config.defaults()
+    model = OptionPolicy(policy_config(cfg["policy"], spec))
+    for v in range(5):
+        ckpt.save(tmp_path, model, None, version=v, updates=v, steps_consumed=0, config=cfg,
+                  spec=spec.to_dict())
+    assert sorted(p.name for p in tmp_path.glob("ckpt-*.pt")) == [f"ckpt-0000000{v}.pt" for v in (2, 3, 4)]
+    assert not list(tmp_path.glob("*.tmp"))
+    state = ckpt.load(tmp_path)
+    assert state["version"] == 4
+    with pytest.raises(ckpt.CheckpointError, match="env spec"):
+        ckpt.check_compatible(state, spec_of(3, 1).to_dict(), model.cfg)
+    other = dict(cfg["policy"], hidden=[32])
+    with pytest.raises(ckpt.CheckpointError, match="architecture"):
+        ckpt.check_compatible(state, spec.to_dict(), policy_config(other, spec))
+    with pytest.raises(ckpt.CheckpointError, match="no checkpoint"):
+        ckpt.load(tmp_path / "nowhere")
+    (tmp_path / "broken.pt").write_bytes(b"not a checkpoint")
+    with pytest.raises(ckpt.CheckpointError, match="cannot be read"):
+        ckpt.load(tmp_path / "broken.pt")

@@ -1,0 +1,284 @@
+"""The worker role as a real process against real sockets: this test plays broker (PULL) and learner
+(PUB + ROUTER answering ``snapshot``), so everything the worker does crosses TCP exactly as in a run."""
+from __future__ import annotations
+
+import json
+import signal
+import socket
+import subprocess
+import sys
+import threading
+import time
+from typing import Any, Dict, List, Optional
+
+import pytest
+import torch
+import zmq
+
+from zclaw import config
+from zclaw.envs import make_env
+from zclaw.policy.networks import OptionPolicy
+from zclaw.policy.weights import policy_config, weights_message
+from zclaw.wire import bind, make_socket, parse, segment_dims
+from zclaw.wire.messages import EnvSpec
+
+ENV = "gym:Reacher-v5"
+T, N = 16, 4
+
+# ------------------------------------------------------------------------------------------ helpers
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+@pytest.fixture(scope="module")
+def spec() -> EnvSpec:
+    env = make_env(ENV, 1, 0, torch.device("cpu"))
+    try:
+        return env.spec
+    finally:
+        env.close()
+
+
+class StandInLearner:
+    """Real PUB + ROUTER sockets in a thread: answers ``snapshot`` with the served weights, publishes
+    the newest published version every 100 ms (a SUB that joins late still gets it)."""
+
+    def __init__(self, ctx: zmq.Context, spec: EnvSpec, version: int, pub_port: int = 0, router_port: int = 0) -> None:
+        cfg = config.load()
+        self.model = OptionPolicy(policy_config(cfg["policy"], spec))
+        self.spec = spec
+        self.served = weights_message(self.model, version, 0, spec.hash)
+        self.published: Optional[bytes] = None
+        self.snapshots = 0
+        self.pub = make_socket(ctx, zmq.PUB)
+        self.router = make_socket(ctx, zmq.ROUTER)
+        self.pub_port = bind(self.pub, "127.0.0.1", pub_port)
+        self.router_port = bind(self.router, "127.0.0.1", router_port)
+        self._stop = threading.Event()
+        self._thread = threading.Thread(target=self._loop, daemon=True)
+        self._thread.start()
+
+    def serve(self, version: int) -> None:
+        self.served = weights_message(self.model, version, 0, self.spec.hash)
+
+    def publish(self, version: int) -> None:
+        self.published = weights_message(self.model, version, 0, self.spec.hash)
+
+    def _loop(self) -> None:
+        last_pub = 0.0
+        while not self._stop.is_set():
+            if self.router.poll(20):
+                ident, empty, *frames = self.router.recv_multipart()
+                msg = parse(frames)
+                if msg.kind == "snapshot":
+                    self.snapshots += 1
+                    self.router.send_multipart([ident, empty, self.served])
+            if self.published is not None and time.monotonic() - last_pub > 0.1:
+                self.pub.send(self.published)
+                last_pub = time.monotonic()
+
+    def close(self) -> None:
+        self._stop.set()
+        self._thread.join(2)
+        self.pub.close(0)
+        self.router.close(0)
+
+
+class WorkerProcess:
+    """``python -m zclaw.cli worker ...`` with its JSON log lines collected from stderr by a thread."""
+
+    def __init__(self, ingest: int, publish: int, learner: int, *extra: str) -> None:
+        cmd = [
+            sys.executable, "-m", "zclaw.cli", "worker", "--env", ENV, "--envs", str(N),
+            "--set", f"worker.segment_length={T}", "--set", f"network.ingest_port={ingest}",
+            "--set", f"network.publish_port={publish}", "--set", f"network.learner_port={learner}",
+            "--set", "log.format=json", *extra,
+        ]
+        self.proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+        self.lines: List[str] = []
+        self._reader = threading.Thread(target=self._read, daemon=True)
+        self._reader.start()
+
+    def _read(self) -> None:
+        assert self.proc.stderr is not None
+        for line in self.proc.stderr:
+            self.lines.append(line)
+
+    def events(self, name: str) -> List[Dict[str, Any]]:
+        out = []
+        for line in list(self.lines):
+            try:
+                rec = json.loads(line)
+            except ValueError:
+                continue
+            if rec.get("event") == name:
+                out.append(rec)
+        return out
+
+    def wait_event(self, name: str, timeout: float) -> Dict[str, Any]:
+        deadline = time.monotonic() + timeout
+        while time.monotonic() < deadline:
+            found = self.events(name)
+            if found:
+                return found[0]
+            assert self.proc.poll() is None, f"worker exited early:\n{''.join(self.lines)}"
+            time.sleep(0.05)
+        raise AssertionError(f"no {name!r} log line within {timeout} s:\n{''.join(self.lines[-30:])}")
+
+    def terminate(self, within: float = 5.0) -> int:
+        start = time.monotonic()
+        self.proc.send_signal(signal.SIGTERM)
+        try:
+            rc = self.proc.wait(within)
+        except subprocess.TimeoutExpired:
+            self.proc.kill()
+            self.proc.wait()
+            raise AssertionError(f"worker did not exit within {within} s of SIGTERM")
+        self._reader.join(2)
+        assert time.monotonic() - start < within
+        return rc
+
+    def kill(self) -> None:
+        if self.proc.poll() is None:
+            self.proc.kill()
+            self.proc.wait()
+
+
+def recv(pull: zmq.Socket, timeout: float = 15.0):
+    assert pull.poll(int(timeout * 1000)), "nothing arrived from the worker"
+    return parse(pull.recv_multipart(copy=False))
+
+
+def next_segment(pull: zmq.Socket, timeout: float = 15.0):
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        msg = recv(pull, max(0.1, deadline - time.monotonic()))
+        if msg.kind == "segment":
+            return msg
+    raise AssertionError("no segment arrived")
+
+
+# -------------------------------------------------------------------------------------------- tests
+
+
+def test_worker_hello_segments_and_versions(spec: EnvSpec) -> None:
+    """hello carries the spec; segments validate; a joining worker acts on the snapshot version; a version
+    published later on PUB shows up in later segments; SIGTERM exits 0 quickly."""
+    ctx = zmq.Context()
+    pull = make_socket(ctx, zmq.PULL)
+    ingest = bind(pull, "127.0.0.1", 0)
+    learner = StandInLearner(ctx, spec, version=7)
+    w = WorkerProcess(ingest, learner.pub_port, learner.router_port)
+    try:
+        first = recv(pull, 30)
+        assert first.kind == "hello", first  # the spec reaches the broker before any segment
+        assert first["role"] == "worker" and first["identity"].startswith("w0-")
+        assert first["pid"] == w.proc.pid
+        assert EnvSpec.from_dict(first["spec"]) == spec and first["spec"]["env_id"] == ENV
+
+        seg = next_segment(pull)
+        assert segment_dims(seg, spec)[:2] == (T, N)
+        assert seg["worker"] == first["identity"] and seg["seq"] == 0
+        assert (seg.arrays["policy_version"] == 7).all(), seg.arrays["policy_version"]  # Clone snapshot
+        assert learner.snapshots >= 1
+        # obs[T] of one segment is obs[0] of the next (the bootstrap row is the next state)
+        seg2 = next_segment(pull)
+        assert seg2["seq"] == 1
+        assert (seg2.arrays["obs"][0] == seg.arrays["obs"][T]).all()
+
+        learner.publish(9)
+        learner.serve(9)
+        seen_new = False
+        truncations = 0
+        episodes = []
+        prev_seq = 1
+        for _ in range(60):
+            s = next_segment(pull)
+            _, _, M = segment_dims(s, spec)
+            assert s["seq"] == prev_seq + 1
+            prev_seq = s["seq"]
+            pv = s.arrays["policy_version"]
+            assert (pv[1:] >= pv[:-1]).all()
+            if seen_new:
+                assert pv.min() >= 9, pv
+            seen_new = seen_new or pv.max() >= 9
+            trunc = s.arrays["truncated"]
+            # final_obs is given exactly for the truncated steps (Reacher truncates at 50 steps)
+            assert M == int(trunc.sum())
+            assert sorted(map(tuple, s.arrays["final_at"].tolist())) == sorted(zip(*map(list, trunc.nonzero())))
+            assert not s.arrays["terminated"].any()
+            truncations += M
+            episodes += s["episodes"]
+            if seen_new and truncations >= N:
+                break
+        assert seen_new, "published version 9 never reached the worker"
+        assert truncations >= N and len(episodes) == truncations
+        assert all(ep["length"] == 50 for ep in episodes)
+        assert w.terminate(5.0) == 0
+    finally:
+        w.kill()
+        learner.close()
+        pull.close(0)
+        ctx.term()
+
+
+def test_worker_gpu_missing_exits_nonzero() -> None:
+    gpu = torch.cuda.device_count()  # never a valid index
+    w = WorkerProcess(free_port(), free_port(), free_port(), "--gpu", str(gpu))
+    try:
+        rc = w.proc.wait(30)
+        w._reader.join(5)
+    finally:
+        w.kill()
+    assert rc != 0
+    text = "".join(w.lines)
+    assert f"--gpu {gpu}: no such CUDA device (this machine has {gpu})" in text, text
+
+
+def test_worker_waits_then_backpressure_then_delivers_in_order(spec: EnvSpec) -> None:
+    """No learner yet: the worker waits (and says so). Learner but no broker: it fills its bounded queue,
+    blocks and logs backpressure instead of growing. Broker appears: every queued segment arrives, in order."""
+    capacity = 3
+    ingest = free_port()
+    ctx = zmq.Context()
+    pub_port, router_port = free_port(), free_port()
+    w = WorkerProcess(
+        ingest, pub_port, router_port, "--set", f"worker.send_queue={capacity}", "--set", "log.status_s=0.3"
+    )
+    learner = None
+    pull = None
+    try:
+        w.wait_event("waiting for learner", 30)
+        learner = StandInLearner(ctx, spec, version=3, pub_port=pub_port, router_port=router_port)
+
+        bp = w.wait_event("backpressure", 30)
+        assert bp["queued"] <= capacity and bp["capacity"] == capacity
+        time.sleep(1.0)  # blocked: the worker must not make (and hold) more segments meanwhile
+        blocked = [r for r in w.events("status") if r["blocked_s"] > 0]
+        assert len(blocked) >= 2, w.lines[-20:]
+        assert all(r["queued"] <= capacity for r in w.events("status"))
+        assert blocked[-1]["segments"] == blocked[0]["segments"] == capacity + 1  # queue full + one waiting
+        assert blocked[-1]["blocked_s"] > blocked[0]["blocked_s"]
+
+        pull = make_socket(ctx, zmq.PULL)
+        bind(pull, "127.0.0.1", ingest)
+        first = recv(pull, 10)
+        assert first.kind == "hello"  # on (re)connection the hello goes ahead of queued segments
+        seqs = []
+        while len(seqs) < capacity + 4:
+            s = next_segment(pull)
+            segment_dims(s, spec)
+            seqs.append(s["seq"])
+        assert seqs == list(range(len(seqs))), seqs  # none lost, none reordered
+        assert w.terminate(5.0) == 0
+    finally:
+        w.kill()
+        if learner is not None:
+            learner.close()
+        if pull is not None:
+            pull.close(0)
+        ctx.term()

@@ -1,0 +1,420 @@
+"""The broker process: PULL segments from workers into the store, serve batches and status (ROUTER).
+
+The loop, in one thread::
+
+    bind ingest PULL (workers' PUSH: hello + segment) and serve ROUTER (learner's / tools' REQ)
+    until SIGINT/SIGTERM sets the stop event:
+        poll both sockets, 100 ms timeout (so a signal is seen within 100 ms)
+        serve ready  -> answer every waiting request: sample -> batch | retry, status -> status,
+                        anything else -> error (a REQ client must get *some* reply, or it is stuck)
+        ingest ready -> take up to INGEST_BURST messages: size check, parse, validate, copy into the
+                        store; then back to the poll, so requests are never starved by a flood
+        every log.status_s -> one status log line
+    close both sockets (linger 0) and exit 0
+
+Requests are answered in the loop itself, never by blocking: when no batch can be served yet the
+reply is ``retry`` with a reason (``min_size``, ``rate_limited``, ``not_enough_data``) and
+``retry_ms``, and the learner asks again (that is what keeps one slow side from freezing the other).
+
+Every message that is not fully understood is dropped and counted by cause (its
+:class:`~zclaw.wire.protocol.WireError` cause, or ``oversize``, ``no_spec``, ``bad_spec``); counting
+happens before anything reaches the store, which copies a segment in only after it passed every
+check, so hostile input can neither crash the broker nor change stored data.
+
+Oversize messages. ``ZMQ_MAXMSGSIZE`` makes libzmq *disconnect* a peer that sends a larger frame;
+the message never reaches us, so it could not be counted. The sockets therefore get
+``MAXMSGSIZE = 2 x network.max_message_mb + 64 KiB`` as a hard backstop (memory stays bounded), and
+the broker itself drops and counts as ``oversize`` any message whose frames total more than
+``network.max_message_mb``. Between the two caps a peer is counted and stays connected; above the
+socket cap (per frame, as libzmq checks it) it is disconnected by libzmq, uncounted.
+"""
+from __future__ import annotations
+
+import signal
+import threading
+import time
+from collections import Counter, OrderedDict, deque
+from pathlib import Path
+from typing import Any, Deque, Dict, List, Optional, Sequence, Tuple
+
+import zmq
+
+from .. import __version__
+from ..wire.messages import EnvSpec, make, parse
+from ..wire.protocol import Frame, Message, WireError
+from ..wire.sockets import DropCounter, bind, make_socket
+from .ratelimit import SampleToInsertRatio
+from .store import LAG_BUCKETS, Store
+
+POLL_MS = 100
+#: ingest messages handled between two looks at the serve socket
+INGEST_BURST = 64
+#: slack on top of twice the configured cap for the socket-level MAXMSGSIZE backstop
+SOCKET_CAP_SLACK = 64 << 10
+#: distinct worker identities tracked (identities come off the wire: bound the table)
+MAX_WORKERS = 1024
+#: window of the recent rates in the report
+RATE_WINDOW_S = 10.0
+
+
+class RateMeter:
+    """Events per second over the last ``window_s`` seconds (or since start, if younger)."""
+
+    def __init__(self, window_s: float = RATE_WINDOW_S, now: Optional[float] = None) -> None:
+        self.window_s = window_s
+        self.t0 = time.monotonic() if now is None else now
+        self._events: Deque[Tuple[float, float]] = deque()
+        self._sum = 0.0
+
+    def add(self, n: float, now: Optional[float] = None) -> None:
+        now = time.monotonic() if now is None else now
+        self._events.append((now, float(n)))
+        self._sum += n
+        self._trim(now)
+
+    def _trim(self, now: float) -> None:
+        limit = now - self.window_s
+        while self._events and self._events[0][0] < limit:
+            self._sum -= self._events.popleft()[1]
+
+    def rate(self, now: Optional[float] = None) -> float:
+        now = time.monotonic() if now is None else now
+        self._trim(now)
+        span = min(self.window_s, now - self.t0)
+        return self._sum / span if span > 1e-3 else 0.0
+
+
+class WorkerInfo:
+    """What the broker knows about one worker, from its hellos and segments."""
+
+    def __init__(self, now: float) -> None:
+        self.host: Optional[str] = None
+        self.pid: Optional[int] = None
+        self.last_seen = now
+        self.segments = 0
+        self.steps = 0
+        self.version: Optional[int] = None
+        self.rate = RateMeter(now=now)
+
+    def report(self, now: float) -> Dict[str, Any]:
+        return {
+            "host": self.host,
+            "pid": self.pid,
+            "last_seen_s": round(now - self.last_seen, 3),
+            "segments": self.segments,
+            "steps": self.steps,
+            "rate": self.rate.rate(now),
+            "version": self.version,
+        }
+
+
+class Broker:
+    """The broker's state and message handlers; :func:`main` owns the sockets and the loop."""
+
+    def __init__(self, cfg: Dict[str, Dict[str, Any]], log: Any) -> None:
+        self.cfg = cfg
+        self.log = log
+        b = cfg["broker"]
+        self.limiter = SampleToInsertRatio(b["samples_per_insert"], b["min_size"], b["spi_error_buffer"])
+        self.max_bytes = int(cfg["network"]["max_message_mb"]) << 20
+        self.retry_ms = int(b["retry_ms"])
+        self.spec: Optional[EnvSpec] = None
+        self.store: Optional[Store] = None
+        self.drops = DropCounter(log, "messages")
+        self.retries: Counter = Counter()
+        self.workers: "OrderedDict[str, WorkerInfo]" = OrderedDict()
+        self.t0 = time.monotonic()
+        self.insert_meter = RateMeter(now=self.t0)
+        self.sample_meter = RateMeter(now=self.t0)
+        self.episodes_total = 0
+        self.returns: Deque[float] = deque(maxlen=100)
+        self.successes: Deque[Optional[bool]] = deque(maxlen=100)
+
+    # ---------------------------------------------------------------------------------- ingest
+
+    def on_ingest(self, frames: Sequence[Frame]) -> None:
+        """One message off the PULL socket: a worker ``hello`` or ``segment``; never raises."""
+        try:
+            size = sum(len(f) for f in frames)
+            if size > self.max_bytes:
+                self.drops.drop("oversize", f"{size} bytes > {self.max_bytes}")
+                return
+            msg = parse(frames, ("hello", "segment"))
+            if msg.kind == "hello":
+                self._on_hello(msg)
+            else:
+                self._on_segment(msg)
+        except WireError as exc:
+            self.drops.drop(exc.cause, str(exc))
+        except Exception as exc:  # a bug must not take the broker (and the run) down
+            self.drops.drop("internal", repr(exc))
+            self.log.exception("ingest handler failed")
+
+    def _worker(self, identity: str, now: float) -> WorkerInfo:
+        info = self.workers.get(identity)
+        if info is None:
+            if len(self.workers) >= MAX_WORKERS:  # forget the one silent the longest
+                oldest = min(self.workers, key=lambda k: self.workers[k].last_seen)
+                del self.workers[oldest]
+            info = self.workers[identity] = WorkerInfo(now)
+            self.log.info("worker joined", worker=identity)
+        info.last_seen = now
+        return info
+
+    def _on_hello(self, msg: Message) -> None:
+        spec_d = msg["spec"]
+        if spec_d is not None:
+            spec = EnvSpec.from_dict(spec_d)
+            if self.spec is None:
+                self._adopt(spec, msg["identity"])
+            elif spec.hash != self.spec.hash:
+                who = msg["identity"]
+                detail = f"hello from {who!r} has spec {spec.hash}, run has {self.spec.hash}"
+                raise WireError("bad_spec", detail)
+        if msg["role"] != "worker":
+            return
+        info = self._worker(msg["identity"], time.monotonic())
+        info.host = msg["host"]
+        info.pid = msg["pid"]
+
+    def _adopt(self, spec: EnvSpec, identity: str) -> None:
+        b = self.cfg["broker"]
+        self.store = Store(
+            spec,
+            b["capacity"],
+            mode=b["mode"],
+            max_reuse=b["max_reuse"],
+            max_staleness=b["max_staleness"],
+            alpha=b["priority_alpha"],
+            beta=b["priority_beta"],
+            seed=self.cfg["run"]["seed"],
+        )
+        self.spec = spec
+        self.log.info("adopted env spec", spec=spec.to_dict(), spec_hash=spec.hash, source=identity)
+
+    def _on_segment(self, msg: Message) -> None:
+        if self.spec is None or self.store is None:
+            raise WireError("no_spec", "segment before any worker hello told the env spec")
+        first = self.store.T is None
+        self.store.insert(msg)  # validates everything before writing; raises WireError
+        if first:
+            self.log.info("store allocated", T=self.store.T, N=self.store.N, capacity=self.store.capacity)
+        now = time.monotonic()
+        steps = int(self.store.T * self.store.N)  # type: ignore[operator]
+        self.limiter.on_insert(1)
+        self.insert_meter.add(steps, now)
+        info = self._worker(msg["worker"], now)
+        info.segments += 1
+        info.steps += steps
+        info.rate.add(steps, now)
+        v = int(msg.arrays["policy_version"].max())
+        info.version = v if info.version is None else max(info.version, v)
+        for ep in msg["episodes"]:
+            self.episodes_total += 1
+            self.returns.append(float(ep["return"]))
+            self.successes.append(ep.get("success"))
+
+    # ----------------------------------------------------------------------------------- serve
+
+    def on_request(self, frames: Sequence[Frame]) -> Optional[List[Any]]:
+        """One message off the ROUTER socket; return the frames to send back (None: nobody to answer)."""
+        if len(frames) < 1:
+            return None
+        identity = frames[0].bytes if hasattr(frames[0], "bytes") else bytes(frames[0])
+        try:
+            if len(frames) < 3 or len(frames[1]) != 0:
+                raise WireError("malformed", "request is not [identity, empty delimiter, message...]")
+            body = frames[2:]
+            size = sum(len(f) for f in body)
+            if size > self.max_bytes:
+                raise WireError("oversize", f"{size} bytes > {self.max_bytes}")
+            msg = parse(body, ("sample", "status"))
+            reply = self.report_message() if msg.kind == "status" else self._on_sample(msg)
+        except WireError as exc:
+            self.drops.drop(exc.cause, str(exc))
+            reply = make("error", reason=str(exc)[:500])
+        except Exception as exc:
+            self.drops.drop("internal", repr(exc))
+            self.log.exception("request handler failed")
+            reply = make("error", reason="internal error")
+        return [identity, b""] + list(reply)
+
+    def _retry(self, reason: str) -> List[Frame]:
+        self.retries[reason] += 1
+        return make("retry", reason=reason, retry_ms=self.retry_ms)
+
+    def _on_sample(self, msg: Message) -> List[Frame]:
+        keys = msg.get("priority_keys") or []
+        values = msg.get("priorities") or []
+        if keys or values:  # priorities of the previous batch first: they shape this one
+            if self.store is not None:
+                try:
+                    self.store.update_priorities(keys, values)
+                except ValueError as exc:  # refused as a whole; the request itself is still served
+                    self.drops.drop("bad_value", f"priorities: {exc}")
+        n = msg["batch_size"]
+        capacity = self.cfg["broker"]["capacity"]
+        if not 1 <= n <= capacity:
+            raise WireError("bad_value", f"batch_size = {n} must be in [1, broker.capacity = {capacity}]")
+        if msg["version"] < 0:
+            raise WireError("bad_value", f"version = {msg['version']} must be >= 0")
+        reason = self.limiter.can_sample(n)
+        if reason is not None:
+            return self._retry(reason)
+        if self.store is None or self.spec is None:
+            return self._retry("not_enough_data")
+        batch = self.store.sample(n, msg["version"])
+        if batch is None:
+            return self._retry(self.store.last_reason or "not_enough_data")
+        self.limiter.on_sample(n)
+        self.sample_meter.add(n)
+        return make(
+            "batch",
+            batch.arrays,
+            keys=batch.keys,
+            workers=batch.workers,
+            seqs=batch.seqs,
+            episodes=batch.episodes,
+            spec_hash=self.spec.hash,
+        )
+
+    # ---------------------------------------------------------------------------------- report
+
+    def report(self) -> Dict[str, Any]:
+        """The ``status`` report (the exact keys every role's tools rely on; see docs)."""
+        now = time.monotonic()
+        st = self.store
+        drops = Counter(self.drops.as_dict())
+        if st is not None:
+            drops.update(st.drops)
+        known = [s for s in self.successes if s is not None]
+        return {
+            "role": "broker",
+            "uptime_s": round(now - self.t0, 3),
+            "spec": self.spec.to_dict() if self.spec is not None else None,
+            "capacity": self.cfg["broker"]["capacity"],
+            "fill": st.fill if st is not None else 0,
+            "inserted_segments": st.inserted if st is not None else 0,
+            "inserted_steps": st.inserted_steps if st is not None else 0,
+            "sampled_segments": st.sampled if st is not None else 0,
+            "batches": st.batches if st is not None else 0,
+            "insert_rate": self.insert_meter.rate(now),
+            "sample_rate": self.sample_meter.rate(now),
+            "drops": {str(k): int(v) for k, v in drops.items()},
+            "lag_hist": dict(st.lag_hist) if st is not None else {b: 0 for b in LAG_BUCKETS},
+            "workers": {k: w.report(now) for k, w in self.workers.items()},
+            "episodes": self.episodes_total,
+            "return_mean_100": (sum(self.returns) / len(self.returns)) if self.returns else None,
+            "success_rate_100": (sum(1 for s in known if s) / len(known)) if known else None,
+            "retries": dict(self.retries),
+        }
+
+    def report_message(self) -> List[Frame]:
+        return make("status", report=self.report(), role="broker")
+
+    def log_status(self) -> None:
+        r = self.report()
+        self.log.info(
+            "status",
+            fill=r["fill"],
+            capacity=r["capacity"],
+            inserted=r["inserted_segments"],
+            batches=r["batches"],
+            insert_rate=round(r["insert_rate"], 1),
+            sample_rate=round(r["sample_rate"], 2),
+            workers=len(r["workers"]),
+            drops=r["drops"],
+            retries=r["retries"],
+            lag_hist=r["lag_hist"],
+        )
+
+
+def _install_signals(stop: threading.Event) -> Dict[int, Any]:
+    """SIGINT/SIGTERM set ``stop`` (only possible from the main thread; elsewhere the caller stops us)."""
+    old: Dict[int, Any] = {}
+    if threading.current_thread() is not threading.main_thread():
+        return old
+    for sig in (signal.SIGINT, signal.SIGTERM):
+        old[sig] = signal.signal(sig, lambda signum, frame: stop.set())
+    return old
+
+
+def main(
+    cfg: Dict[str, Dict[str, Any]],
+    log: Any,
+    run_dir: Optional[Path] = None,
+    stop: Optional[threading.Event] = None,
+) -> int:
+    """Run the broker until SIGINT/SIGTERM (or ``stop`` is set); return the exit code.
+
+    ``run_dir`` is reserved for store snapshots and is not written yet.
+    """
+    stop = stop if stop is not None else threading.Event()
+    old_handlers = _install_signals(stop)
+    net = cfg["network"]
+    host = net["bind_host"] or net["broker_host"]
+    try:
+        broker = Broker(cfg, log)
+    except ValueError as exc:
+        log.error("bad broker configuration", error=str(exc))
+        return 2
+    socket_cap = 2 * broker.max_bytes + SOCKET_CAP_SLACK
+    ctx = zmq.Context()
+    ingest = make_socket(ctx, zmq.PULL, max_message_bytes=socket_cap)
+    serve = make_socket(ctx, zmq.ROUTER, max_message_bytes=socket_cap)
+    try:
+        try:
+            ingest_port = bind(ingest, host, net["ingest_port"])
+            serve_port = bind(serve, host, net["serve_port"])
+        except zmq.ZMQError as exc:
+            log.error("cannot bind", host=host, error=str(exc))
+            return 1
+        log.info(
+            "broker listening",
+            host=host,
+            ingest_port=ingest_port,
+            serve_port=serve_port,
+            mode=cfg["broker"]["mode"],
+            capacity=cfg["broker"]["capacity"],
+            max_message_mb=net["max_message_mb"],
+            zclaw=__version__,
+        )
+        poller = zmq.Poller()
+        poller.register(ingest, zmq.POLLIN)
+        poller.register(serve, zmq.POLLIN)
+        status_s = float(cfg["log"]["status_s"])
+        next_status = time.monotonic() + status_s
+        while not stop.is_set():
+            events = dict(poller.poll(POLL_MS))
+            if events.get(serve):
+                while True:
+                    try:
+                        frames = serve.recv_multipart(zmq.NOBLOCK, copy=False)
+                    except zmq.Again:
+                        break
+                    reply = broker.on_request(frames)
+                    if reply is not None:
+                        try:
+                            serve.send_multipart(reply, copy=False)
+                        except zmq.ZMQError as exc:  # the peer vanished or its queue is full: its problem
+                            broker.drops.drop("reply_failed", str(exc))
+            if events.get(ingest):
+                for _ in range(INGEST_BURST):
+                    try:
+                        frames = ingest.recv_multipart(zmq.NOBLOCK, copy=False)
+                    except zmq.Again:
+                        break
+                    broker.on_ingest(frames)
+            now = time.monotonic()
+            if now >= next_status:
+                broker.log_status()
+                next_status = now + status_s
+        log.info("stopping")
+        broker.log_status()
+        return 0
+    finally:
+        ingest.close(linger=0)
+        serve.close(linger=0)
+        ctx.term()
+        for sig, handler in old_handlers.items():
+            signal.signal(sig, handler)

@@ -1,0 +1,370 @@
+"""The broker's store: a preallocated ring of segments and the three ways to sample it.
+
+Layout: one numpy array per field of :data:`zclaw.wire.messages.SEGMENT_ARRAYS`, with a leading
+``capacity`` axis (``obs`` is ``[capacity, T+1, N, *obs_shape]``), allocated when the first segment is
+accepted, which fixes T and N for the run (the broker cannot know them before). The sparse
+truncation data (``final_obs``/``final_at``, a few rows per segment) is kept per slot as small copies.
+Preallocating means an insert is a ``memcpy`` into place, never an allocation, and memory use is
+known when the first segment lands.
+
+Keys: every insert gets the next integer key (0, 1, 2, ...); it lives in slot ``key % capacity``. A
+key is never reused, so a priority update that names a key that was evicted or used up is simply
+ignored instead of landing on whatever segment took the slot. When the slot of the next key is still
+taken, it holds ``key - capacity``, the oldest segment stored, which the insert overwrites (counted
+as drop cause ``"evicted_unused"`` if it was never sampled: data the workers paid for and nobody used).
+
+Modes (which ``n`` segments :meth:`Store.sample` returns):
+
+* ``queue``: FIFO, the ``n`` oldest stored segments; each sample counts one use and a segment is
+  removed after ``max_reuse`` uses (``max_reuse = 0``, unlimited, would serve the same oldest
+  segments forever and is refused). The on-policy default.
+* ``uniform``: ``n`` distinct segments drawn uniformly from those stored.
+* ``prioritized``: ``n`` distinct segments drawn one after another with probability
+  ``P(i) = p_i^alpha / sum_k p_k^alpha`` (a sum tree), each returned with the importance weight
+  ``w_i = (N * P(i))^-beta / max_j w_j`` (N segments stored, max over the batch), as in Schaul et
+  al. (2016). New segments enter with the largest priority seen so far (Ape-X), so every segment is
+  likely to be seen once; the learner sends new priorities with its next request
+  (:meth:`Store.update_priorities`).
+
+In every mode ``max_reuse > 0`` removes a segment after that many uses, and ``max_staleness >= 0``
+removes, at sample time, segments whose lag ``learner_version - min(policy_version)`` exceeds it
+(drop cause ``"stale"``): off-policy corrections only stretch so far.
+"""
+from __future__ import annotations
+
+from collections import Counter
+from dataclasses import dataclass, field
+from typing import Any, Dict, List, Optional, Sequence, Tuple
+
+import numpy as np
+
+from ..wire.messages import SEGMENT_ARRAYS, EnvSpec, segment_dims
+from ..wire.protocol import Message, WireError
+from .sumtree import SumTree
+
+MODES = ("queue", "uniform", "prioritized")
+
+#: version-lag histogram buckets (inclusive upper bounds; the last one is open)
+LAG_BUCKETS = ("0", "1", "2", "3-4", "5-8", "9-16", "17+")
+_LAG_EDGES = np.array([0, 1, 2, 4, 8, 16], dtype=np.int64)
+
+#: priorities below this are stored as this, so a segment whose error is exactly 0 is not starved forever
+MIN_PRIORITY = 1e-6
+
+
+def lag_buckets(lags: np.ndarray, weight: int = 1) -> Dict[str, int]:
+    """Histogram of integer lags over :data:`LAG_BUCKETS` (negative lags, a restarted learner, count as 0)."""
+    idx = np.searchsorted(_LAG_EDGES, np.maximum(np.asarray(lags, dtype=np.int64), 0), side="left")
+    counts = np.bincount(idx.ravel(), minlength=len(LAG_BUCKETS))
+    return {b: int(c) * weight for b, c in zip(LAG_BUCKETS, counts)}
+
+
+@dataclass
+class SampledBatch:
+    """What :meth:`Store.sample` returns: the arrays in batch layout plus per-segment metadata.
+
+    ``arrays`` holds every field of ``SEGMENT_ARRAYS`` stacked on a leading B axis, ``final_obs``
+    ``[M, *obs_shape]`` with ``final_at`` rows ``(b, t, n)``, and ``is_weight[B]`` (see
+    ``zclaw.wire.messages.BATCH_EXTRA``). The arrays are fresh copies: the store may overwrite its
+    slots while a zero-copy send of the batch is still in flight. ``episodes`` holds the episode
+    stats of the segments sampled here for the first time only, so a learner counting them sees
+    each episode once whatever ``max_reuse`` is.
+    """
+
+    arrays: Dict[str, np.ndarray]
+    keys: List[int]
+    workers: List[str]
+    seqs: List[int]
+    episodes: List[Dict[str, Any]] = field(default_factory=list)
+    lag_hist: Dict[str, int] = field(default_factory=dict)
+
+
+class Store:
+    """Ring of ``capacity`` segments of one env spec; see the module docstring for the rules."""
+
+    def __init__(
+        self,
+        spec: EnvSpec,
+        capacity: int,
+        mode: str = "queue",
+        max_reuse: int = 1,
+        max_staleness: int = -1,
+        alpha: float = 0.6,
+        beta: float = 0.4,
+        seed: int = 0,
+    ) -> None:
+        if isinstance(capacity, bool) or not isinstance(capacity, int) or capacity < 1:
+            raise ValueError(f"capacity = {capacity!r} must be an integer >= 1")
+        if mode not in MODES:
+            raise ValueError(f"mode = {mode!r} must be one of {', '.join(MODES)}")
+        if isinstance(max_reuse, bool) or not isinstance(max_reuse, int) or max_reuse < 0:
+            raise ValueError(f"max_reuse = {max_reuse!r} must be an integer >= 0 (0: unlimited)")
+        if mode == "queue" and max_reuse == 0:
+            raise ValueError("max_reuse = 0 (unlimited) in queue mode serves the oldest segments for ever")
+        if isinstance(max_staleness, bool) or not isinstance(max_staleness, int) or max_staleness < -1:
+            raise ValueError(f"max_staleness = {max_staleness!r} must be an integer >= 0, or -1 for off")
+        if not (0 <= alpha <= 1):
+            raise ValueError(f"alpha = {alpha!r} must be in [0, 1]")
+        if not (0 <= beta <= 1):
+            raise ValueError(f"beta = {beta!r} must be in [0, 1]")
+        self.spec = spec
+        self.capacity = capacity
+        self.mode = mode
+        self.max_reuse = max_reuse
+        self.max_staleness = max_staleness
+        self.alpha = float(alpha)
+        self.beta = float(beta)
+        self.T: Optional[int] = None
+        self.N: Optional[int] = None
+        self._rng = np.random.default_rng(seed)
+        self._data: Dict[str, np.ndarray] = {}
+        C = capacity
+        self._key = np.full(C, -1, dtype=np.int64)  # -1: empty slot
+        self._uses = np.zeros(C, dtype=np.int64)
+        self._min_version = np.zeros(C, dtype=np.int64)
+        self._workers: List[str] = [""] * C
+        self._seqs: List[int] = [0] * C
+        self._episodes: List[List[Dict[str, Any]]] = [[] for _ in range(C)]
+        self._final_obs: List[Optional[np.ndarray]] = [None] * C
+        self._final_at: List[Optional[np.ndarray]] = [None] * C
+        self._tree = SumTree(C) if mode == "prioritized" else None
+        self.max_priority = 1.0
+        self._next_key = 0
+        self._fill = 0
+        #: segments the store itself discarded, by cause ("evicted_unused", "stale")
+        self.drops: Counter = Counter()
+        #: version lag of every sampled step (x N envs), by bucket
+        self.lag_hist: Dict[str, int] = {b: 0 for b in LAG_BUCKETS}
+        self.inserted = 0
+        self.inserted_steps = 0
+        self.sampled = 0
+        self.batches = 0
+        #: why the last :meth:`sample` returned None
+        self.last_reason: Optional[str] = None
+
+    # ------------------------------------------------------------------------------------ state
+
+    @property
+    def fill(self) -> int:
+        """Segments stored now."""
+        return self._fill
+
+    def __len__(self) -> int:
+        return self._fill
+
+    def keys(self) -> List[int]:
+        """Keys of the stored segments, oldest first."""
+        k = self._key[self._key >= 0]
+        return [int(x) for x in np.sort(k)]
+
+    def _slot_of(self, key: int) -> Optional[int]:
+        if isinstance(key, bool) or not isinstance(key, (int, np.integer)) or key < 0:
+            return None
+        slot = int(key) % self.capacity
+        return slot if int(self._key[slot]) == int(key) else None
+
+    def uses(self, key: int) -> Optional[int]:
+        """Times the segment ``key`` was sampled, or None if it is not stored."""
+        slot = self._slot_of(key)
+        return None if slot is None else int(self._uses[slot])
+
+    def priority(self, key: int) -> Optional[float]:
+        """The sum-tree mass ``p^alpha`` of ``key`` (prioritized mode), or None if not stored."""
+        slot = self._slot_of(key)
+        if slot is None or self._tree is None:
+            return None
+        return self._tree[slot]
+
+    def tree_total(self) -> float:
+        return self._tree.total if self._tree is not None else float(self._fill)
+
+    # ----------------------------------------------------------------------------------- insert
+
+    def _allocate(self, T: int, N: int) -> None:
+        self.T, self.N = T, N
+        for name, (dtype, shape_of) in SEGMENT_ARRAYS.items():
+            shape = (self.capacity,) + tuple(shape_of(T, N, self.spec))
+            self._data[name] = np.zeros(shape, dtype=np.dtype(dtype))
+
+    def _remove(self, slot: int) -> None:
+        self._key[slot] = -1
+        self._uses[slot] = 0
+        self._episodes[slot] = []
+        self._final_obs[slot] = None
+        self._final_at[slot] = None
+        if self._tree is not None:
+            self._tree.update(slot, 0.0)
+        self._fill -= 1
+
+    def insert(self, msg: Message) -> int:
+        """Validate a ``segment`` message and copy it into the ring; return its key.
+
+        Raises :class:`WireError` (``bad_spec``, ``bad_shape``, ``bad_dtype``, ``bad_value``, ...)
+        before anything is written, so a bad segment never touches stored data.
+        """
+        T, N, M = segment_dims(msg, self.spec)
+        if self.T is not None and (T, N) != (self.T, self.N):
+            raise WireError("bad_shape", f"segment is T={T} x N={N}, the store holds T={self.T} x N={self.N}")
+        if self.T is None:
+            self._allocate(T, N)
+        key = self._next_key
+        slot = key % self.capacity
+        if self._key[slot] >= 0:  # the ring is full here: this slot holds the oldest segment
+            if self._uses[slot] == 0:
+                self.drops["evicted_unused"] += 1
+            self._remove(slot)
+        for name in SEGMENT_ARRAYS:
+            self._data[name][slot] = msg.arrays[name]
+        self._final_obs[slot] = np.array(msg.arrays["final_obs"], copy=True) if M else None
+        self._final_at[slot] = np.array(msg.arrays["final_at"], copy=True) if M else None
+        self._key[slot] = key
+        self._uses[slot] = 0
+        pv = msg.arrays["policy_version"]
+        self._min_version[slot] = int(pv.min())
+        self._workers[slot] = msg["worker"]
+        self._seqs[slot] = int(msg["seq"])
+        self._episodes[slot] = [dict(ep) for ep in msg["episodes"]]
+        if self._tree is not None:
+            self._tree.update(slot, max(self.max_priority, MIN_PRIORITY) ** self.alpha)
+        self._next_key += 1
+        self._fill += 1
+        self.inserted += 1
+        self.inserted_steps += T * N
+        return key
+
+    # ------------------------------------------------------------------------------- priorities
+
+    def update_priorities(self, keys: Sequence[Any], values: Sequence[Any]) -> int:
+        """Set new priorities ``p`` for ``keys``; return how many were applied.
+
+        All-or-nothing validation first: ``ValueError`` if the lists differ in length, a key is not
+        an integer, or a value is not a finite number >= 0 (one bad value from a diverging learner
+        must not poison the tree). Keys no longer stored (evicted, used up, never existed) are
+        ignored. Outside prioritized mode nothing is stored and 0 is returned.
+        """
+        if len(keys) != len(values):
+            raise ValueError(f"{len(keys)} priority keys but {len(values)} priorities")
+        for k in keys:
+            if isinstance(k, bool) or not isinstance(k, (int, np.integer)):
+                raise ValueError(f"priority key {k!r} is not an integer")
+        for v in values:
+            if isinstance(v, bool) or not isinstance(v, (int, float, np.integer, np.floating)):
+                raise ValueError(f"priority {v!r} is not a number")
+            if not np.isfinite(v) or v < 0:
+                raise ValueError(f"priority {v!r} must be finite and >= 0")
+        if self._tree is None:
+            return 0
+        applied = 0
+        for k, v in zip(keys, values):
+            slot = self._slot_of(k)
+            if slot is None:
+                continue
+            v = float(v)
+            self._tree.update(slot, max(v, MIN_PRIORITY) ** self.alpha)
+            if v > self.max_priority:
+                self.max_priority = v
+            applied += 1
+        return applied
+
+    # ----------------------------------------------------------------------------------- sample
+
+    def drop_stale(self, learner_version: int) -> int:
+        """Remove segments whose lag exceeds ``max_staleness``; return how many (cause ``"stale"``)."""
+        if self.max_staleness < 0:
+            return 0
+        occupied = np.flatnonzero(self._key >= 0)
+        stale = occupied[(int(learner_version) - self._min_version[occupied]) > self.max_staleness]
+        for slot in stale:
+            self._remove(int(slot))
+        if len(stale):
+            self.drops["stale"] += int(len(stale))
+        return int(len(stale))
+
+    def sample(self, n: int, learner_version: int) -> Optional[SampledBatch]:
+        """``n`` distinct segments in batch layout, or None (``last_reason`` says why).
+
+        Stale segments are dropped first; then if fewer than ``n`` remain the answer is None with
+        ``last_reason = "not_enough_data"``. Counts one use of each segment returned and removes
+        those that reached ``max_reuse``.
+        """
+        if isinstance(n, bool) or not isinstance(n, int) or n < 1:
+            raise ValueError(f"n = {n!r} must be an integer >= 1")
+        self.last_reason = None
+        if self.T is None:
+            self.last_reason = "not_enough_data"
+            return None
+        self.drop_stale(learner_version)
+        occupied = np.flatnonzero(self._key >= 0)
+        if len(occupied) < n:
+            self.last_reason = "not_enough_data"
+            return None
+        is_weight = np.ones(n, dtype=np.float32)
+        if self.mode == "queue":
+            slots = occupied[np.argsort(self._key[occupied], kind="stable")[:n]]
+        elif self.mode == "uniform":
+            slots = self._rng.choice(occupied, size=n, replace=False)
+        else:
+            slots, probs = self._sample_prioritized(n)
+            w = (len(occupied) * probs) ** (-self.beta)
+            is_weight = (w / w.max()).astype(np.float32)
+        slots = np.asarray(slots, dtype=np.int64)
+        return self._gather(slots, is_weight, int(learner_version))
+
+    def _sample_prioritized(self, n: int) -> Tuple[np.ndarray, np.ndarray]:
+        """Draw ``n`` distinct slots proportionally to priority (sequentially, without replacement).
+
+        Each drawn leaf is zeroed for the rest of the batch and restored afterwards; the returned
+        probabilities are those of the full distribution, which is what the IS weights correct for.
+        """
+        tree = self._tree
+        assert tree is not None
+        total = tree.total
+        slots = np.empty(n, dtype=np.int64)
+        mass = np.empty(n, dtype=np.float64)
+        for i in range(n):
+            s = tree.find(self._rng.random() * tree.total)
+            slots[i] = s
+            mass[i] = tree[s]
+            tree.update(s, 0.0)
+        for s, m in zip(slots, mass):
+            tree.update(int(s), float(m))
+        return slots, mass / total
+
+    def _gather(self, slots: np.ndarray, is_weight: np.ndarray, learner_version: int) -> SampledBatch:
+        arrays: Dict[str, np.ndarray] = {name: self._data[name][slots] for name in SEGMENT_ARRAYS}
+        fo_parts, fa_parts = [], []
+        for b, s in enumerate(slots):
+            fa = self._final_at[s]
+            if fa is not None and len(fa):
+                fa_parts.append(np.concatenate([np.full((len(fa), 1), b, dtype=np.int32), fa], axis=1))
+                fo_parts.append(self._final_obs[s])
+        if fo_parts:
+            arrays["final_obs"] = np.concatenate(fo_parts, axis=0).astype(np.float32, copy=False)
+            arrays["final_at"] = np.concatenate(fa_parts, axis=0).astype(np.int32, copy=False)
+        else:
+            arrays["final_obs"] = np.zeros((0,) + tuple(self.spec.obs_shape), dtype=np.float32)
+            arrays["final_at"] = np.zeros((0, 3), dtype=np.int32)
+        arrays["is_weight"] = is_weight
+        hist = lag_buckets(learner_version - arrays["policy_version"], weight=int(self.N or 1))
+        for b, c in hist.items():
+            self.lag_hist[b] += c
+        episodes: List[Dict[str, Any]] = []
+        for s in slots:
+            if self._uses[s] == 0:
+                episodes.extend(self._episodes[s])
+        batch = SampledBatch(
+            arrays=arrays,
+            keys=[int(self._key[s]) for s in slots],
+            workers=[self._workers[s] for s in slots],
+            seqs=[self._seqs[s] for s in slots],
+            episodes=episodes,
+            lag_hist=hist,
+        )
+        self._uses[slots] += 1
+        if self.max_reuse > 0:
+            for s in slots:
+                if self._uses[s] >= self.max_reuse:
+                    self._remove(int(s))
+        self.sampled += len(slots)
+        self.batches += 1
+        return batch

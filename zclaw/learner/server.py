@@ -1,0 +1,513 @@
+"""The learner process: ask the broker for batches, train, publish versioned weights.
+
+Sockets (config ``[network]``)::
+
+    REQ  -> broker serve (Lazy Pirate)   status until the env spec is known, then sample / batch
+    PUB  <- publish_port                 every new version, packed single frame (workers use CONFLATE)
+    ROUTER <- learner_port               snapshot (ZeroMQ guide's Clone pattern) and status, served from
+                                         a background thread so it answers while the main thread trains
+
+Loop, as ``docs`` and every role assume it::
+
+    spec   = status(broker).spec                     # wait until a worker has said hello to the broker
+    model  = OptionPolicy(spec) or checkpoint        # version 0, or the checkpoint's version (--resume)
+    publish(version)
+    while not stopped:
+        reply = sample(batch_size, version, keys and priorities of the previous batch)
+        if reply is retry: sleep retry_ms; continue
+        metrics = trainer.update(batch, version); version += 1; publish(version)
+
+A checkpoint is written every ``learner.checkpoint_s`` seconds and on exit; ``learner_final.json`` in
+the run directory holds the final report (``zclaw train`` reads it).
+"""
+from __future__ import annotations
+
+import json
+import math
+import random
+import signal
+import threading
+import time
+from collections import Counter, deque
+from pathlib import Path
+from typing import Any, Deque, Dict, List, Optional, Tuple
+
+import numpy as np
+import torch
+import zmq
+
+from .. import logs
+from ..policy.networks import OptionPolicy
+from ..policy.weights import policy_config, weights_message
+from ..wire import DropCounter, EnvSpec, LazyPirate, Message, WireError, bind, make, make_socket, parse, tcp
+from ..wire.messages import batch_dims
+from . import checkpoint as ckpt
+from .trainer import Trainer
+
+PUB_HWM = 4  # weights messages are large and only the newest matters: never queue many
+RATE_WINDOW_S = 30.0
+
+
+def _finite(x: Any) -> Any:
+    """Replace NaN/inf by None, recursively, so reports are valid JSON as well as msgpack."""
+    if isinstance(x, float):
+        return x if math.isfinite(x) else None
+    if isinstance(x, dict):
+        return {k: _finite(v) for k, v in x.items()}
+    if isinstance(x, (list, tuple)):
+        return [_finite(v) for v in x]
+    return x
+
+
+class _Service(threading.Thread):
+    """Answers ``snapshot`` and ``status`` on the learner ROUTER from its own thread and own socket.
+
+    ZeroMQ sockets are not thread-safe, so this thread creates, uses and closes its socket itself; it
+    only reads ``weights`` (packed bytes) and ``report`` (a dict), which the main thread replaces with
+    single attribute assignments (atomic in CPython), never mutates in place.
+    """
+
+    def __init__(
+        self, ctx: zmq.Context, host: str, port: int, max_bytes: int, log: Any, stop: threading.Event
+    ) -> None:
+        super().__init__(name="learner-service", daemon=True)
+        self.ctx, self.host, self.port, self.max_bytes = ctx, host, port, max_bytes
+        self.log, self.stop = log, stop
+        self.weights: Optional[bytes] = None
+        self.spec_hash: Optional[str] = None
+        self.report: Dict[str, Any] = {"role": "learner"}
+        self.started = time.monotonic()
+        self.ready = threading.Event()
+        self.error: Optional[str] = None
+        self.bound_port: Optional[int] = None
+        self.drops = DropCounter(log, "learner requests")
+        self.served = Counter()
+
+    def run(self) -> None:
+        sock = make_socket(self.ctx, zmq.ROUTER, max_message_bytes=self.max_bytes)
+        try:
+            self.bound_port = bind(sock, self.host, self.port)
+        except zmq.ZMQError as exc:
+            self.error = f"cannot bind learner ROUTER on {tcp(self.host, self.port)}: {exc}"
+            sock.close(linger=0)
+            self.ready.set()
+            return
+        self.ready.set()
+        try:
+            while not self.stop.is_set():
+                if not sock.poll(100, zmq.POLLIN):
+                    continue
+                frames = sock.recv_multipart()
+                try:
+                    cut = frames.index(b"")  # REQ envelope: [identity..., b"", body...]
+                except ValueError:
+                    self.drops.drop("no_envelope")
+                    continue
+                envelope, body = frames[: cut + 1], frames[cut + 1 :]
+                sock.send_multipart(envelope + self._answer(body), copy=False)
+        finally:
+            sock.close(linger=0)
+
+    def _answer(self, body: List[bytes]) -> List[Any]:
+        try:
+            msg = parse(body, ("snapshot", "status"))
+        except WireError as exc:
+            self.drops.drop(exc.cause, str(exc))
+            return make("error", reason=f"not understood: {exc}")
+        self.served[msg.kind] += 1
+        if msg.kind == "status":
+            report = dict(self.report)
+            report["uptime_s"] = round(time.monotonic() - self.started, 3)
+            return make("status", report=report, role="learner")
+        weights = self.weights
+        if weights is None:
+            return make("retry", reason="no weights yet", retry_ms=200)
+        want = msg.get("spec_hash")
+        if want is not None and self.spec_hash is not None and want != self.spec_hash:
+            return make("error", reason=f"spec_hash {want} differs from the learner's {self.spec_hash}")
+        return [weights]
+
+
+class Learner:
+    """State of one learner process; :func:`main` runs it."""
+
+    def __init__(
+        self, cfg: Dict[str, Dict[str, Any]], log: Any, run_dir: Path, stop: threading.Event
+    ) -> None:
+        self.cfg, self.log, self.run_dir, self.stop = cfg, log, Path(run_dir), stop
+        self.lcfg = cfg["learner"]
+        self.net = cfg["network"]
+        self.ckpt_dir = self.run_dir / "checkpoints"
+        self.started = time.monotonic()
+        self.ctx = zmq.Context()
+        self.pub: Optional[zmq.Socket] = None
+        self.service: Optional[_Service] = None
+        self.broker: Optional[LazyPirate] = None
+        self.writer: Any = None
+        self.spec: Optional[EnvSpec] = None
+        self.model: Optional[OptionPolicy] = None
+        self.trainer: Optional[Trainer] = None
+        self.version: Optional[int] = None
+        self.updates = 0
+        self.steps_consumed = 0
+        self.losses: Dict[str, float] = {}
+        self.lag_sum = 0.0
+        self.lag_n = 0
+        self.lag_max_all = 0.0
+        self.returns: Deque[float] = deque(maxlen=100)
+        self.successes: Deque[bool] = deque(maxlen=100)
+        self.episodes = 0
+        self.retries: Counter = Counter()
+        self.drops = DropCounter(log, "batches")
+        self.last_checkpoint: Optional[str] = None
+        self.rates: Deque[Tuple[float, int, int]] = deque()
+        self.prio_keys: List[Any] = []
+        self.prios: List[float] = []
+        self.last_metrics: Dict[str, Any] = {}
+
+    # -- setup ------------------------------------------------------------------------------------------
+    def _bind_host(self, host: str) -> str:
+        return self.net["bind_host"] or host
+
+    def open_sockets(self) -> Optional[str]:
+        """Bind PUB and start the ROUTER service thread; return an error text if a bind fails."""
+        max_bytes = int(self.net["max_message_mb"]) << 20
+        host = self._bind_host(self.net["learner_host"])
+        self.pub = make_socket(self.ctx, zmq.PUB, max_message_bytes=max_bytes, hwm=PUB_HWM)
+        try:
+            bind(self.pub, host, int(self.net["publish_port"]))
+        except zmq.ZMQError as exc:
+            return f"cannot bind learner PUB on {tcp(host, self.net['publish_port'])}: {exc}"
+        self.service = _Service(self.ctx, host, int(self.net["learner_port"]), max_bytes, self.log, self.stop)
+        self.service.start()
+        self.service.ready.wait(10)
+        if self.service.error:
+            return self.service.error
+        self.broker = LazyPirate(
+            self.ctx, tcp(self.net["broker_host"], int(self.net["serve_port"])),
+            timeout_ms=int(self.net["request_timeout_ms"]), retries=None, max_message_bytes=max_bytes,
+            log=self.log,
+        )
+        self._report(state="waiting for env spec")
+        return None
+
+    def wait_for_spec(self) -> Optional[EnvSpec]:
+        """Ask the broker for status until it knows the env spec (a worker said hello); None if stopped."""
+        assert self.broker is not None
+        last_log = 0.0
+        while not self.stop.is_set():
+            reply = self.broker.request(make("status"), ("status",), stop=self.stop.is_set)
+            if reply is None:
+                return None
+            spec_d = (reply.get("report") or {}).get("spec")
+            if spec_d:
+                try:
+                    return EnvSpec.from_dict(spec_d)
+                except WireError as exc:
+                    self.log.error("broker reports an unusable env spec", error=str(exc))
+            if time.monotonic() - last_log > 5.0:
+                self.log.info("waiting for the broker to learn the env spec (no worker yet)")
+                last_log = time.monotonic()
+            self.stop.wait(0.25)
+        return None
+
+    def build(self, spec: EnvSpec, state: Optional[Dict[str, Any]]) -> None:
+        """Build the network and optimiser, from scratch or from a checkpoint (``state``)."""
+        device = torch.device(self.lcfg["device"])
+        if device.type == "cuda" and not torch.cuda.is_available():
+            raise ckpt.CheckpointError(f"learner.device = {self.lcfg['device']!r} but CUDA is not available")
+        pcfg = policy_config(self.cfg["policy"], spec)
+        if state is not None:
+            ckpt.check_compatible(state, spec.to_dict(), pcfg)
+        self.spec = spec
+        self.model = OptionPolicy(pcfg)
+        self.trainer = Trainer(self.model, self.lcfg, device)
+        if state is None:
+            self.version = 0
+        else:
+            ckpt.restore(state, self.model, self.trainer.optimizer)
+            self.version = int(state["version"])
+            self.updates = int(state["updates"])
+            self.steps_consumed = int(state["steps_consumed"])
+            extra = state.get("extra") or {}
+            self.returns.extend(float(r) for r in extra.get("returns_100", []))
+            self.last_checkpoint = state.get("path")
+            self.log.info("resumed", checkpoint=state.get("path"), version=self.version, updates=self.updates,
+                          steps=self.steps_consumed)
+        if self.service is not None:
+            self.service.spec_hash = spec.hash
+        self.publish()
+
+    # -- publishing -------------------------------------------------------------------------------------
+    def publish(self) -> None:
+        """Send the current version on PUB and make it the snapshot the service thread hands out."""
+        assert self.model is not None and self.spec is not None and self.version is not None
+        packed = weights_message(self.model, self.version, self.steps_consumed, self.spec.hash)
+        if self.service is not None:
+            self.service.weights = packed
+        if self.pub is not None:
+            try:
+                self.pub.send(packed, zmq.NOBLOCK, copy=False)
+            except zmq.Again:  # PUB never blocks, but be explicit: a full queue drops, workers use snapshots
+                self.drops.drop("pub_full")
+        logs.set_version(self.version)
+        self._report()
+
+    def _rates(self) -> Tuple[float, float]:
+        now = time.monotonic()
+        self.rates.append((now, self.steps_consumed, self.updates))
+        while len(self.rates) > 2 and now - self.rates[0][0] > RATE_WINDOW_S:
+            self.rates.popleft()
+        t0, s0, u0 = self.rates[0]
+        dt = now - t0
+        if dt <= 0:
+            return 0.0, 0.0
+        return (self.steps_consumed - s0) / dt, (self.updates - u0) / dt
+
+    def report(self) -> Dict[str, Any]:
+        steps_s, updates_s = self._rates() if self.rates else (0.0, 0.0)
+        succ = list(self.successes)
+        return _finite({
+            "role": "learner",
+            "uptime_s": round(time.monotonic() - self.started, 3),
+            "version": self.version,
+            "updates": self.updates,
+            "steps_consumed": self.steps_consumed,
+            "updates_per_s": updates_s,
+            "steps_per_s": steps_s,
+            "losses": dict(self.losses),
+            "lag_mean": self.last_metrics.get("lag_mean"),
+            "lag_max": self.last_metrics.get("lag_max"),
+            "lag_mean_all": self.lag_sum / self.lag_n if self.lag_n else None,
+            "lag_max_all": self.lag_max_all if self.lag_n else None,
+            "episodes": self.episodes,
+            "return_mean_100": float(np.mean(self.returns)) if self.returns else None,
+            "success_rate_100": float(np.mean(succ)) if succ else None,
+            "last_checkpoint": self.last_checkpoint,
+            "spec": self.spec.to_dict() if self.spec is not None else None,
+            "retries": dict(self.retries),
+            "drops": self.drops.as_dict(),
+        })
+
+    def _report(self, **extra: Any) -> None:
+        rep = self.report()
+        rep.update(extra)
+        if self.service is not None:
+            self.service.report = rep  # one assignment: the service thread sees the old or the new dict
+
+    # -- training ---------------------------------------------------------------------------------------
+    def _record(self, msg: Message, metrics: Dict[str, Any], seconds: float) -> None:
+        B, T, N = msg.arrays["action"].shape[:3]
+        steps = int(B * T * N)
+        self.steps_consumed += steps
+        self.updates += 1
+        self.last_metrics = metrics
+        self.losses = {k: float(v) for k, v in metrics.items() if k != "priorities" and isinstance(v, float)}
+        self.lag_sum += metrics["lag_mean"] * steps
+        self.lag_n += steps
+        self.lag_max_all = max(self.lag_max_all, metrics["lag_max"])
+        batch_returns, batch_success, batch_lengths = [], [], []
+        for ep in msg["episodes"]:
+            if not isinstance(ep, dict) or not isinstance(ep.get("return"), (int, float)):
+                continue
+            batch_returns.append(float(ep["return"]))
+            if isinstance(ep.get("length"), int):
+                batch_lengths.append(ep["length"])
+            if isinstance(ep.get("success"), bool):
+                batch_success.append(ep["success"])
+        self.episodes += len(batch_returns)
+        self.returns.extend(batch_returns)
+        self.successes.extend(batch_success)
+        if self.writer is not None:
+            g = self.steps_consumed
+            w = self.writer
+            for k, v in self.losses.items():
+                if math.isfinite(v):
+                    w.add_scalar(f"learner/{k}", v, g)
+            steps_s, updates_s = self._rates()
+            w.add_scalar("throughput/env_steps_per_s", steps_s, g)
+            w.add_scalar("throughput/updates_per_s", updates_s, g)
+            w.add_scalar("throughput/update_seconds", seconds, g)
+            w.add_scalar("lag/mean", metrics["lag_mean"], g)
+            w.add_scalar("lag/max", metrics["lag_max"], g)
+            w.add_scalar("version", self.version, g)
+            if batch_returns:
+                w.add_scalar("episode/return", float(np.mean(batch_returns)), g)
+            if self.returns:
+                w.add_scalar("episode/return_mean_100", float(np.mean(self.returns)), g)
+            if batch_lengths:
+                w.add_scalar("episode/length", float(np.mean(batch_lengths)), g)
+            if batch_success:
+                w.add_scalar("episode/success", float(np.mean(batch_success)), g)
+
+    def train_loop(self) -> None:
+        assert self.broker is not None and self.trainer is not None and self.spec is not None
+        B = int(self.lcfg["batch_segments"])
+        status_s = float(self.cfg["log"]["status_s"])
+        ckpt_s = float(self.lcfg["checkpoint_s"])
+        last_status = last_ckpt = time.monotonic()
+        self._rates()
+        while not self.stop.is_set():
+            now = time.monotonic()
+            if now - last_ckpt >= ckpt_s:
+                self.checkpoint()
+                last_ckpt = now
+            if now - last_status >= status_s:
+                self.status_line()
+                last_status = now
+            request = make("sample", batch_size=B, version=int(self.version), priority_keys=self.prio_keys,
+                           priorities=self.prios)
+            reply = self.broker.request(request, ("batch", "retry", "error"), stop=self.stop.is_set)
+            if reply is None:
+                break  # stopped
+            if reply.kind == "retry":
+                self.retries[reply["reason"]] += 1
+                self.stop.wait(min(max(int(reply["retry_ms"]), 1), 5000) / 1000.0)
+                continue
+            if reply.kind == "error":
+                self.drops.drop("broker_error", str(reply["reason"]))
+                self.stop.wait(1.0)
+                continue
+            try:
+                batch_dims(reply, self.spec)
+            except WireError as exc:
+                self.drops.drop(exc.cause, str(exc))
+                self.prio_keys, self.prios = [], []
+                continue
+            t0 = time.monotonic()
+            try:
+                metrics = self.trainer.update(reply, int(self.version))
+            except Exception as exc:  # a batch that breaks the update must not end the run
+                self.log.exception("update failed; batch dropped", error=str(exc))
+                self.drops.drop("train_error", str(exc))
+                self.prio_keys, self.prios = [], []
+                continue
+            self.version = int(self.version) + 1
+            self.prio_keys = list(reply["keys"])
+            self.prios = [float(p) if math.isfinite(p) else 0.0 for p in metrics["priorities"]]
+            self._record(reply, metrics, time.monotonic() - t0)
+            self.publish()
+
+    def status_line(self) -> None:
+        r = self.report()
+        self.log.info(
+            "learner status", updates=r["updates"], steps=r["steps_consumed"],
+            steps_per_s=round(r["steps_per_s"] or 0.0, 1), updates_per_s=round(r["updates_per_s"] or 0.0, 2),
+            return_mean_100=r["return_mean_100"], lag_mean=r["lag_mean"], lag_max=r["lag_max"],
+            policy_loss=self.losses.get("policy_loss"), value_loss=self.losses.get("value_loss"),
+            approx_kl=self.losses.get("approx_kl"), retries=r["retries"], drops=r["drops"],
+        )
+
+    def checkpoint(self) -> Optional[Path]:
+        if self.model is None or self.trainer is None or self.spec is None:
+            return None
+        try:
+            path = ckpt.save(
+                self.ckpt_dir, self.model, self.trainer.optimizer, version=int(self.version),
+                updates=self.updates,
+                steps_consumed=self.steps_consumed, config=self.cfg, spec=self.spec.to_dict(),
+                extra={"returns_100": list(self.returns)},
+            )
+        except OSError as exc:  # a full disk must not kill training; say so loudly
+            self.log.error("checkpoint failed", error=str(exc), dir=str(self.ckpt_dir))
+            return None
+        self.last_checkpoint = str(path)
+        self._report()
+        return path
+
+    # -- teardown ---------------------------------------------------------------------------------------
+    def finish(self) -> Dict[str, Any]:
+        """Final checkpoint, final report (``learner_final.json``); returns the report."""
+        path = self.checkpoint()
+        if path is not None:
+            self.log.info("final checkpoint", path=str(path), version=self.version)
+        rep = self.report()
+        rep["returns_100"] = list(self.returns)
+        rep = _finite(rep)
+        try:
+            tmp = self.run_dir / ".learner_final.json.tmp"
+            tmp.write_text(json.dumps(rep, indent=2, sort_keys=True))
+            tmp.replace(self.run_dir / "learner_final.json")
+        except OSError as exc:
+            self.log.error("cannot write learner_final.json", error=str(exc))
+        return rep
+
+    def close(self) -> None:
+        self.stop.set()
+        if self.service is not None:
+            self.service.join(timeout=5)
+        if self.broker is not None:
+            self.broker.close()
+        if self.pub is not None:
+            self.pub.close(linger=0)
+        if self.writer is not None:
+            try:
+                self.writer.close()
+            except Exception:  # tensorboard flush problems must not turn a clean exit into a crash
+                pass
+        self.ctx.term()
+
+
+def _install_signals(stop: threading.Event) -> Dict[int, Any]:
+    """SIGINT and SIGTERM set ``stop`` (loops poll it); returns the previous handlers to restore."""
+    old: Dict[int, Any] = {}
+    if threading.current_thread() is not threading.main_thread():
+        return old
+    for sig in (signal.SIGINT, signal.SIGTERM):
+        old[sig] = signal.signal(sig, lambda signum, frame: stop.set())
+    return old
+
+
+def main(cfg: Dict[str, Dict[str, Any]], log: Any, run_dir: Path, resume: bool) -> int:
+    """Run the learner until SIGINT/SIGTERM; 0 on a clean stop, 1 on a socket error, 2 on a bad resume."""
+    stop = threading.Event()
+    old_handlers = _install_signals(stop)
+    run_dir = Path(run_dir)
+    run_dir.mkdir(parents=True, exist_ok=True)
+    torch.set_num_threads(int(cfg["learner"]["threads"]))
+
+    state: Optional[Dict[str, Any]] = None
+    if resume:
+        try:
+            state = ckpt.load(run_dir / "checkpoints")
+        except ckpt.CheckpointError as exc:
+            log.error("cannot resume", error=str(exc))
+            return 2
+    else:
+        seed = int(cfg["run"]["seed"])
+        torch.manual_seed(seed)
+        np.random.seed(seed)
+        random.seed(seed)
+
+    learner = Learner(cfg, log, run_dir, stop)
+    code = 0
+    try:
+        err = learner.open_sockets()
+        if err is not None:
+            log.error(err)
+            return 1
+        log.info("learner up", publish=learner.net["publish_port"], serve=learner.net["learner_port"],
+                 broker=learner.broker.endpoint if learner.broker else None, run_dir=str(run_dir))
+        if cfg["learner"]["tensorboard"]:
+            from torch.utils.tensorboard import SummaryWriter
+
+            learner.writer = SummaryWriter(str(run_dir / "tb"), flush_secs=10)
+        spec = learner.wait_for_spec()
+        if spec is not None:
+            try:
+                learner.build(spec, state)
+            except ckpt.CheckpointError as exc:
+                log.error("cannot resume", error=str(exc))
+                code = 2
+            else:
+                log.info("serving weights", version=learner.version, spec_hash=spec.hash)
+                learner.train_loop()
+        if code == 0:
+            rep = learner.finish()
+            log.info("learner stopped", version=rep["version"], updates=rep["updates"],
+                     steps=rep["steps_consumed"], return_mean_100=rep["return_mean_100"])
+        return code
+    finally:
+        learner.close()
+        for sig, handler in old_handlers.items():
+            signal.signal(sig, handler)

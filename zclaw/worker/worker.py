@@ -1,0 +1,477 @@
+"""The worker role: step a batch of envs with the newest policy, PUSH T-step segments to the broker.
+
+Loop (see ``zclaw/core.py`` for the nouns)::
+
+    envs = make_env(run.env, worker.envs, run.seed + 1000 * index, device)   # -> EnvSpec
+    PUSH -> broker ingest: hello (identity, spec) now and every 5 s
+    SUB  <- learner PUB (CONFLATE, subscribed before connecting)
+    weights = snapshot request to the learner ROUTER (ZeroMQ guide's Clone pattern: a late SUB misses
+              what was published before it joined, so a new worker asks for the current state)
+    every step:  newer weights on SUB? apply them (never blocks)
+                 act -> clip to the action bounds -> env.step; record the unclipped action, the option,
+                 the behaviour log-probs and the policy version that acted
+    every T steps: Segment -> bounded send queue (blocks only when the broker falls behind: backpressure)
+
+Why the unclipped action is recorded: the behaviour log-prob was computed for it, and the learner's
+importance ratios must use the same sample. Why the policy version is per step: weights can change in
+the middle of a segment, and the learner measures and corrects staleness per step.
+"""
+from __future__ import annotations
+
+import os
+import signal
+import socket
+import threading
+import time
+from collections import deque
+from typing import Any, Callable, Deque, Dict, List, Optional, Tuple
+
+import numpy as np
+import torch
+import zmq
+
+from .. import __version__
+from .. import logs
+from ..core import BatchedEnv
+from ..envs import make_env
+from ..policy.networks import OptionPolicy
+from ..policy.weights import load_weights, model_from_weights
+from ..wire import DropCounter, LazyPirate, Message, Segment, WireError, make, make_socket, parse, tcp
+from ..wire.messages import EnvSpec
+from .sender import Sender
+
+HEARTBEAT_S = 5.0
+WAIT_LOG_S = 5.0
+#: PUSH socket high-water mark: small, so that segments wait in the worker's own bounded, measured queue
+PUSH_HWM = 2
+#: how long shutdown may spend trying to send what is still queued
+FLUSH_S = 1.0
+
+
+class DeviceError(ValueError):
+    """``--gpu N`` names a CUDA device this machine does not have."""
+
+
+def select_device(gpu: int) -> torch.device:
+    """-1 -> CPU; N -> ``cuda:N``, refused with a clear message when there is no such device."""
+    if gpu < 0:
+        return torch.device("cpu")
+    count = torch.cuda.device_count() if torch.cuda.is_available() else 0
+    if gpu >= count:
+        raise DeviceError(f"--gpu {gpu}: no such CUDA device (this machine has {count})")
+    return torch.device(f"cuda:{gpu}")
+
+
+def worker_identity(index: int) -> str:
+    """``w<index>-<host>-<pid>``: unique per process, readable in the broker's per-worker report."""
+    return f"w{index}-{socket.gethostname()}-{os.getpid()}"
+
+
+def worker_seed(base_seed: int, index: int) -> int:
+    return int(base_seed) + 1000 * int(index)
+
+
+# ------------------------------------------------------------------------------------ segment buffer
+
+
+class SegmentBuffer:
+    """Preallocated numpy arrays of one segment in wire layout, filled step by step.
+
+    The arrays are allocated once per worker; :meth:`take` hands out a fresh copy, so a segment that is
+    still waiting in the send queue (sent zero-copy) is never overwritten by the next one.
+    """
+
+    def __init__(self, T: int, N: int, spec: EnvSpec) -> None:
+        self.T, self.N, self.spec = T, N, spec
+        A = spec.action_shape
+        self.obs = np.zeros((T + 1, N) + spec.obs_shape, np.float32)
+        self.action = np.zeros((T, N) + A, np.float32)
+        self.reward = np.zeros((T, N), np.float32)
+        self.terminated = np.zeros((T, N), np.bool_)
+        self.truncated = np.zeros((T, N), np.bool_)
+        self.option = np.zeros((T, N), np.int32)
+        self.option_start = np.zeros((T, N), np.bool_)
+        self.logp_action = np.zeros((T, N), np.float32)
+        self.logp_option = np.zeros((T, N), np.float32)
+        self.policy_version = np.zeros((T,), np.int64)
+        self.finals: List[Tuple[int, int, np.ndarray]] = []
+        self.episodes: List[Dict[str, Any]] = []
+
+    def arrays(self) -> Dict[str, np.ndarray]:
+        return {
+            "obs": self.obs, "action": self.action, "reward": self.reward, "terminated": self.terminated,
+            "truncated": self.truncated, "option": self.option, "option_start": self.option_start,
+            "logp_action": self.logp_action, "logp_option": self.logp_option,
+            "policy_version": self.policy_version,
+        }
+
+    def take(self) -> Tuple[Dict[str, np.ndarray], List[Dict[str, Any]]]:
+        """Copies of the filled arrays plus the sparse truncation arrays and episode stats; then reset."""
+        out = {k: v.copy() for k, v in self.arrays().items()}
+        if self.finals:
+            out["final_obs"] = np.stack([f for _, _, f in self.finals]).astype(np.float32, copy=False)
+            out["final_at"] = np.array([[t, n] for t, n, _ in self.finals], dtype=np.int32)
+        else:
+            out["final_obs"] = np.zeros((0,) + self.spec.obs_shape, np.float32)
+            out["final_at"] = np.zeros((0, 2), np.int32)
+        episodes = self.episodes
+        self.finals = []
+        self.episodes = []
+        return out, episodes
+
+
+# ------------------------------------------------------------------------------------------ weights
+
+
+class WeightsClient:
+    """The worker's side of weight distribution: SUB for new versions, Clone-pattern snapshot on join."""
+
+    def __init__(self, ctx: zmq.Context, cfg: Dict[str, Dict[str, Any]], spec: EnvSpec, log: Any) -> None:
+        net = cfg["network"]
+        self.spec = spec
+        self.log = log
+        max_bytes = int(net["max_message_mb"]) << 20
+        self.sub = make_socket(ctx, zmq.SUB, max_message_bytes=max_bytes, conflate=True)
+        self.sub.setsockopt(zmq.SUBSCRIBE, b"")  # subscribe before connecting, or the first messages are lost
+        self.sub.connect(tcp(net["learner_host"], net["publish_port"]))
+        self.pirate = LazyPirate(
+            ctx,
+            tcp(net["learner_host"], net["learner_port"]),
+            timeout_ms=min(int(net["request_timeout_ms"]), 1000),
+            retries=0,
+            max_message_bytes=max_bytes,
+        )
+        self.drops = DropCounter(log, "weights")
+
+    def _accept(self, msg: Message, current: int) -> Optional[Message]:
+        if msg.kind != "weights":
+            self.drops.drop("unexpected_kind", msg.kind)
+            return None
+        if msg["spec_hash"] != self.spec.hash:
+            self.drops.drop("bad_spec", f"weights for spec {msg['spec_hash']}, worker runs {self.spec.hash}")
+            return None
+        if msg["version"] < current:  # a learner restarted without --resume: say so, keep acting
+            self.drops.drop("older_version", f"weights version {msg['version']} < current {current}")
+            return None
+        if msg["version"] == current:  # the same weights again (republished, or snapshot after PUB)
+            return None
+        return msg
+
+    def poll(self, current: int) -> Optional[Message]:
+        """The newest weights on SUB with version > ``current``, or None; never blocks."""
+        if not (self.sub.getsockopt(zmq.EVENTS) & zmq.POLLIN):
+            return None
+        newest: Optional[Message] = None
+        while True:
+            try:
+                frame = self.sub.recv(zmq.NOBLOCK, copy=False)
+            except zmq.Again:
+                break
+            try:
+                msg = parse([frame], kinds=("weights",))
+            except WireError as exc:
+                self.drops.drop(exc.cause, str(exc))
+                continue
+            ok = self._accept(msg, current if newest is None else newest["version"])
+            if ok is not None:
+                newest = ok
+        return newest
+
+    def snapshot(self, stop: Callable[[], bool], tick: Callable[[], None]) -> Optional[Message]:
+        """Ask the learner for its current weights until it answers (or a PUB arrives, or ``stop()``).
+
+        ``tick`` runs between tries (the worker sends its heartbeat there). Returns None only on stop.
+        """
+        request = make("snapshot", spec_hash=self.spec.hash)
+        started = time.monotonic()
+        last_log = 0.0
+        while not stop():
+            tick()
+            msg = self.poll(-1)
+            if msg is not None:
+                return msg
+            reply = self.pirate.request(request, kinds=("weights", "retry", "error"), stop=stop)
+            if reply is not None and reply.kind == "weights":
+                msg = self._accept(reply, -1)
+                if msg is not None:
+                    return msg
+            now = time.monotonic()
+            if now - last_log >= WAIT_LOG_S:
+                reason = "no reply" if reply is None else reply.get("reason", reply.kind)
+                self.log.info(
+                    "waiting for learner", endpoint=self.pirate.endpoint, waited_s=round(now - started, 1),
+                    reason=reason,
+                )
+                last_log = now
+            pause = 0.2
+            if reply is not None and reply.kind == "retry":
+                pause = min(max(reply["retry_ms"], 10), 1000) / 1000.0
+            elif reply is not None:
+                pause = 1.0  # a refusal ("error") or unusable weights: do not hammer the learner
+            deadline = time.monotonic() + pause
+            while time.monotonic() < deadline and not stop():
+                time.sleep(0.02)
+        return None
+
+    def close(self) -> None:
+        self.pirate.close()
+        self.sub.close(linger=0)
+
+
+# ------------------------------------------------------------------------------------------- worker
+
+
+class Worker:
+    """One worker process's state: envs, policy copy, sockets, segment buffer; :meth:`run` is the loop."""
+
+    def __init__(
+        self,
+        cfg: Dict[str, Dict[str, Any]],
+        log: Any,
+        index: int,
+        env: BatchedEnv,
+        device: torch.device,
+        stop: threading.Event,
+        ctx: Optional[zmq.Context] = None,
+    ) -> None:
+        self.cfg = cfg
+        self.log = log
+        self.index = index
+        self.env = env
+        self.device = device
+        self.stop = stop
+        self.spec = env.spec
+        self.identity = worker_identity(index)
+        self.T = int(cfg["worker"]["segment_length"])
+        self.N = int(env.num_envs)
+        self.ctx = ctx if ctx is not None else zmq.Context()
+        self._own_ctx = ctx is None
+        net = cfg["network"]
+        push = make_socket(self.ctx, zmq.PUSH, max_message_bytes=int(net["max_message_mb"]) << 20, hwm=PUSH_HWM)
+        push.setsockopt(zmq.IMMEDIATE, 1)  # queue nothing inside ZeroMQ for a broker that is not connected
+        push.connect(tcp(net["broker_host"], net["ingest_port"]))
+        self.push = push
+        self.sender = Sender(push, int(cfg["worker"]["send_queue"]), log, hello=self._hello_frames)
+        self.weights = WeightsClient(self.ctx, cfg, self.spec, log)
+        self.model: Optional[OptionPolicy] = None
+        self.version = -1
+        self.seq = 0
+        self.steps = 0
+        self.episodes_done = 0
+        self.recent_returns: Deque[float] = deque(maxlen=100)
+        self.buf = SegmentBuffer(self.T, self.N, self.spec)
+        self.low = torch.tensor(self.spec.action_low, dtype=torch.float32, device=device).reshape(self.spec.action_shape)
+        self.high = torch.tensor(self.spec.action_high, dtype=torch.float32, device=device).reshape(
+            self.spec.action_shape
+        )
+        self._last_hello = 0.0
+        self._last_status = time.monotonic()
+        self._steps_at_status = 0
+
+    # -- messages ----------------------------------------------------------------------------------
+    def _hello_frames(self) -> List[Any]:
+        return make(
+            "hello", role="worker", identity=self.identity, host=socket.gethostname(), pid=os.getpid(),
+            zclaw=__version__, spec=self.spec.to_dict(),
+        )
+
+    def heartbeat(self, force: bool = False) -> None:
+        """Send a ``hello`` if :data:`HEARTBEAT_S` has passed since the last one (or ``force``)."""
+        now = time.monotonic()
+        if force or now - self._last_hello >= HEARTBEAT_S:
+            self.sender.hello()
+            self._last_hello = now
+
+    # -- weights -----------------------------------------------------------------------------------
+    def apply(self, msg: Message) -> bool:
+        """Load ``msg`` into the policy copy (build it on first weights, or if the architecture changed)."""
+        try:
+            if self.model is not None:
+                try:
+                    load_weights(self.model, msg)
+                except WireError:  # the learner now serves another architecture: rebuild from its header
+                    self.model = None
+            if self.model is None:
+                model = model_from_weights(msg).to(self.device)
+                model.eval()
+                self.model = model
+        except WireError as exc:
+            self.weights.drops.drop(exc.cause, str(exc))
+            return False
+        first = self.version < 0
+        self.version = int(msg["version"])
+        logs.set_version(self.version)
+        if first:
+            self.log.info("acting", version=self.version, learner_step=msg["step"], envs=self.N, T=self.T)
+        else:
+            self.log.debug("new weights", version=self.version)
+        return True
+
+    def wait_for_weights(self) -> bool:
+        while not self.stop.is_set():
+            msg = self.weights.snapshot(self.stop.is_set, self.heartbeat)
+            if msg is None:
+                return False
+            if self.apply(msg):
+                return True
+            deadline = time.monotonic() + 1.0  # unusable weights (counted): ask again, but not in a tight loop
+            while time.monotonic() < deadline and not self.stop.is_set():
+                time.sleep(0.02)
+        return False
+
+    # -- the loop ----------------------------------------------------------------------------------
+    def run(self, max_segments: Optional[int] = None) -> int:
+        """Collect and send segments until stopped (or ``max_segments`` were produced); return segments made."""
+        self.log.info(
+            "worker starting", identity=self.identity, env=self.spec.env_id, envs=self.N, T=self.T,
+            device=str(self.device), spec_hash=self.spec.hash,
+        )
+        self.heartbeat(force=True)
+        if not self.wait_for_weights():
+            return 0
+        stop = self.stop
+        env, buf, T, N = self.env, self.buf, self.T, self.N
+        obs = env.reset()
+        prev_option = torch.zeros(N, dtype=torch.long, device=self.device)
+        episode_start = torch.ones(N, dtype=torch.bool, device=self.device)
+        made = 0
+        self._last_status = time.monotonic()
+        self._steps_at_status = 0
+        while not stop.is_set() and (max_segments is None or made < max_segments):
+            t = 0
+            while t < T:
+                if stop.is_set():
+                    break
+                if time.monotonic() - self._last_hello >= HEARTBEAT_S:
+                    self.heartbeat()
+                if self.sender.queued:  # the broker was slow: hand it what waits as soon as it takes it
+                    self.sender.pump()
+                newer = self.weights.poll(self.version)
+                if newer is not None:
+                    self.apply(newer)
+                assert self.model is not None
+                out = self.model.act(obs, prev_option, episode_start)
+                action = out["action"]
+                res = env.step(torch.max(torch.min(action, self.high), self.low))
+                buf.obs[t] = obs.cpu().numpy()
+                buf.action[t] = action.cpu().numpy()
+                buf.reward[t] = res.reward.cpu().numpy()
+                buf.terminated[t] = res.terminated.cpu().numpy()
+                buf.truncated[t] = res.truncated.cpu().numpy()
+                buf.option[t] = out["option"].cpu().numpy()
+                buf.option_start[t] = out["option_start"].cpu().numpy()
+                buf.logp_action[t] = out["logp_action"].cpu().numpy()
+                buf.logp_option[t] = out["logp_option"].cpu().numpy()
+                buf.policy_version[t] = self.version
+                if res.final_obs:
+                    for n, fo in res.final_obs.items():
+                        buf.finals.append((t, int(n), fo.cpu().numpy().reshape(self.spec.obs_shape)))
+                if res.episodes:
+                    buf.episodes.extend(res.episodes)
+                    self.episodes_done += len(res.episodes)
+                    self.recent_returns.extend(float(ep["return"]) for ep in res.episodes)
+                episode_start = res.terminated | res.truncated
+                prev_option = out["option"]
+                obs = res.obs
+                t += 1
+            if t < T:  # stopped mid-segment: an incomplete segment is not a segment
+                break
+            buf.obs[T] = obs.cpu().numpy()
+            arrays, episodes = buf.take()
+            segment = Segment(self.identity, self.seq, self.spec.hash, arrays, episodes)
+            self.seq += 1
+            made += 1
+            self.steps += T * N
+            self.sender.send(segment.frames(), stop.is_set, idle=self._idle)
+            self._status()
+        return made
+
+    def _idle(self) -> None:
+        """While blocked by backpressure: keep the heartbeat and the status line going."""
+        self.heartbeat()
+        self._status()
+
+    def _status(self) -> None:
+        """The periodic status line (every ``log.status_s``): rate, version, queue state."""
+        now = time.monotonic()
+        dt = now - self._last_status
+        if dt < float(self.cfg["log"]["status_s"]):
+            return
+        steps = self.steps - self._steps_at_status
+        self._last_status, self._steps_at_status = now, self.steps
+        rets = list(self.recent_returns)
+        self.log.info(
+            "status",
+            steps_per_s=round(steps / dt, 1),
+            steps=self.steps,
+            segments=self.seq,
+            version=self.version,
+            episodes=self.episodes_done,
+            return_mean_100=round(float(np.mean(rets)), 3) if rets else None,
+            **self.sender.counters(),
+        )
+
+    def close(self) -> None:
+        """Flush queued segments for up to :data:`FLUSH_S`, report what could not be sent, close sockets."""
+        unsent = self.sender.flush(FLUSH_S)
+        left = self.sender.close()
+        if unsent:
+            self.log.warning("segments left unsent at exit", unsent=len(left), sent=self.sender.sent)
+        self.weights.close()
+        self.push.close(linger=0)
+        if self._own_ctx:
+            self.ctx.term()
+
+
+# --------------------------------------------------------------------------------------------- main
+
+
+def _install_signals(stop: threading.Event) -> Dict[int, Any]:
+    """SIGINT/SIGTERM set ``stop`` (only possible from the main thread); returns the handlers replaced."""
+    previous: Dict[int, Any] = {}
+    if threading.current_thread() is not threading.main_thread():
+        return previous
+
+    def handler(signum: int, frame: Any) -> None:
+        stop.set()
+
+    for sig in (signal.SIGINT, signal.SIGTERM):
+        previous[sig] = signal.signal(sig, handler)
+    return previous
+
+
+def main(cfg: Dict[str, Dict[str, Any]], log: Any, index: int) -> int:
+    """Run one worker until SIGINT/SIGTERM; 0 on a clean stop, 2 when it cannot start (device, env)."""
+    stop = threading.Event()
+    previous = _install_signals(stop)
+    try:
+        try:
+            device = select_device(int(cfg["worker"]["gpu"]))
+        except DeviceError as exc:
+            log.error(str(exc))
+            return 2
+        torch.set_num_threads(int(cfg["worker"]["threads"]))
+        seed = worker_seed(cfg["run"]["seed"], index)
+        torch.manual_seed(seed)
+        np.random.seed(seed % (1 << 32))
+        try:
+            env = make_env(cfg["run"]["env"], int(cfg["worker"]["envs"]), seed, device)
+        except (ValueError, ImportError) as exc:
+            log.error("cannot build the environments", env=cfg["run"]["env"], error=str(exc))
+            return 2
+        worker = None
+        try:
+            worker = Worker(cfg, log, index, env, device, stop)
+            worker.run()
+        finally:
+            if worker is not None:
+                worker.close()
+            env.close()
+        log.info(
+            "worker stopped", segments=worker.seq if worker else 0, steps=worker.steps if worker else 0,
+            sent=worker.sender.sent if worker else 0,
+        )
+        return 0
+    finally:
+        for sig, h in previous.items():
+            signal.signal(sig, h)
