@@ -1,0 +1,134 @@
+"""Benchmark: transport through worker -> broker -> learner against a raw PUSH/PULL of the same payload.
+
+A synthetic producer (no physics: a preallocated segment of T x N steps, re-encoded with a new seq each
+time, exactly as a worker's segment) pushes as fast as the socket takes it. Run A: the real `zclaw
+broker` process stores the segments and a consume-only learner loop (REQ `sample`, decode, validate
+with batch_dims, discard) pulls batches. Run B: the same producer pushes the same frames to a bare PULL
+that only receives. Both are measured in this one invocation; the ratio A / B is the figure (target >= 0.5).
+
+    python bench/pipeline.py [--seconds 8] [--envs 64] [--T 64]
+"""
+from __future__ import annotations
+
+import argparse
+import multiprocessing as mp
+import os
+import signal
+import socket
+import subprocess
+import sys
+import time
+
+import numpy as np
+import zmq
+
+from zclaw.wire import EnvSpec, LazyPirate, Segment, make, parse
+from zclaw.wire.messages import SEGMENT_ARRAYS, batch_dims
+
+SPEC = EnvSpec("gym:Reacher-v5", (10,), (2,), (-1.0, -1.0), (1.0, 1.0))
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def segment_arrays(T: int, N: int) -> dict:
+    rng = np.random.default_rng(0)
+    out = {}
+    for name, (dtype, shape_of) in SEGMENT_ARRAYS.items():
+        shape = shape_of(T, N, SPEC)
+        out[name] = (rng.random(shape) if dtype.endswith("f4") else np.zeros(shape)).astype(np.dtype(dtype))
+    out["final_obs"] = np.zeros((0, 10), np.float32)
+    out["final_at"] = np.zeros((0, 2), np.int32)
+    return out
+
+
+def produce(endpoint: str, T: int, N: int, hello: bool) -> None:
+    """Push segments forever (until SIGTERM)."""
+    signal.signal(signal.SIGTERM, lambda *_: os._exit(0))
+    ctx = zmq.Context()
+    sock = ctx.socket(zmq.PUSH)
+    sock.setsockopt(zmq.SNDHWM, 8)
+    sock.connect(endpoint)
+    if hello:
+        sock.send_multipart(make("hello", role="worker", identity="bench", host="h", pid=os.getpid(), zclaw="0",
+                                 spec=SPEC.to_dict()))
+    arrays = segment_arrays(T, N)
+    seq = 0
+    while True:
+        sock.send_multipart(Segment("bench", seq, SPEC.hash, arrays, []).frames(), copy=False)
+        seq += 1
+
+
+def run_raw(seconds: float, T: int, N: int) -> float:
+    ctx = zmq.Context()
+    pull = ctx.socket(zmq.PULL)
+    port = pull.bind_to_random_port("tcp://127.0.0.1")
+    p = mp.Process(target=produce, args=(f"tcp://127.0.0.1:{port}", T, N, False), daemon=True)
+    p.start()
+    pull.recv_multipart(copy=False)
+    n, t0 = 0, time.perf_counter()
+    while time.perf_counter() - t0 < seconds:
+        parse(pull.recv_multipart(copy=False))
+        n += T * N
+    rate = n / (time.perf_counter() - t0)
+    p.terminate(); p.join()
+    pull.close(0); ctx.term()
+    return rate
+
+
+def run_pipeline(seconds: float, T: int, N: int, batch: int) -> float:
+    ingest, serve = free_port(), free_port()
+    broker = subprocess.Popen(
+        [sys.executable, "-m", "zclaw.cli", "broker", "--set", f"network.ingest_port={ingest}",
+         "--set", f"network.serve_port={serve}", "--set", "broker.capacity=64", "--set", "log.level=warning"],
+        stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    p = mp.Process(target=produce, args=(f"tcp://127.0.0.1:{ingest}", T, N, True), daemon=True)
+    p.start()
+    ctx = zmq.Context()
+    req = LazyPirate(ctx, f"tcp://127.0.0.1:{serve}", timeout_ms=3000, retries=5)
+    n, t0, started = 0, None, time.perf_counter()
+    while True:
+        msg = req.request(make("sample", batch_size=batch, version=0, priority_keys=[], priorities=[]))
+        if msg is None:
+            raise SystemExit("broker did not answer")
+        if msg.kind == "batch":
+            B, T_, N_, _ = batch_dims(msg, SPEC)
+            if t0 is None:
+                t0 = time.perf_counter()
+            else:
+                n += B * T_ * N_
+        else:
+            time.sleep(0.001)
+        if t0 is not None and time.perf_counter() - t0 >= seconds:
+            break
+        if time.perf_counter() - started > seconds + 30:
+            raise SystemExit("no batches from the broker")
+    rate = n / (time.perf_counter() - t0)
+    p.terminate(); p.join()
+    broker.send_signal(signal.SIGTERM); broker.wait(10)
+    req.close(); ctx.term()
+    return rate
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--seconds", type=float, default=8.0)
+    ap.add_argument("--envs", type=int, default=64)
+    ap.add_argument("--T", type=int, default=64)
+    ap.add_argument("--batch", type=int, default=4)
+    a = ap.parse_args()
+    nbytes = sum(v.nbytes for v in segment_arrays(a.T, a.envs).values())
+    raw = run_raw(a.seconds, a.T, a.envs)
+    pipe = run_pipeline(a.seconds, a.T, a.envs, a.batch)
+    print(f"segment: T={a.T} x N={a.envs} = {a.T * a.envs} transitions, {nbytes / 1e6:.2f} MB")
+    print(f"{'path':<40}{'transitions/s':>16}")
+    print(f"{'raw PUSH/PULL (receive + decode)':<40}{raw:>16,.0f}")
+    print(f"{'worker -> broker -> learner (consume)':<40}{pipe:>16,.0f}")
+    print(f"ratio pipeline / raw: {pipe / raw:.3f}  (target >= 0.5)")
+
+
+if __name__ == "__main__":
+    main()
