@@ -39,6 +39,8 @@ from typing import Any, Deque, Dict, List, Optional, Sequence, Tuple
 
 import zmq
 
+from ..stopping import install_stop_signals
+
 from .. import __version__
 from ..wire.messages import EnvSpec, make, parse
 from ..wire.protocol import Frame, Message, WireError
@@ -329,14 +331,6 @@ class Broker:
         )
 
 
-def _install_signals(stop: threading.Event) -> Dict[int, Any]:
-    """SIGINT/SIGTERM set ``stop`` (only possible from the main thread; elsewhere the caller stops us)."""
-    old: Dict[int, Any] = {}
-    if threading.current_thread() is not threading.main_thread():
-        return old
-    for sig in (signal.SIGINT, signal.SIGTERM):
-        old[sig] = signal.signal(sig, lambda signum, frame: stop.set())
-    return old
 
 
 def main(
@@ -350,7 +344,7 @@ def main(
     ``run_dir`` is reserved for store snapshots and is not written yet.
     """
     stop = stop if stop is not None else threading.Event()
-    old_handlers = _install_signals(stop)
+    old_handlers = install_stop_signals(stop)
     net = cfg["network"]
     host = net["bind_host"] or net["broker_host"]
     try:

@@ -36,6 +36,8 @@ import numpy as np
 import torch
 import zmq
 
+from ..stopping import install_stop_signals
+
 from .. import logs
 from ..policy.networks import OptionPolicy
 from ..policy.weights import policy_config, weights_message
@@ -448,20 +450,12 @@ class Learner:
         self.ctx.term()
 
 
-def _install_signals(stop: threading.Event) -> Dict[int, Any]:
-    """SIGINT and SIGTERM set ``stop`` (loops poll it); returns the previous handlers to restore."""
-    old: Dict[int, Any] = {}
-    if threading.current_thread() is not threading.main_thread():
-        return old
-    for sig in (signal.SIGINT, signal.SIGTERM):
-        old[sig] = signal.signal(sig, lambda signum, frame: stop.set())
-    return old
 
 
 def main(cfg: Dict[str, Dict[str, Any]], log: Any, run_dir: Path, resume: bool) -> int:
     """Run the learner until SIGINT/SIGTERM; 0 on a clean stop, 1 on a socket error, 2 on a bad resume."""
     stop = threading.Event()
-    old_handlers = _install_signals(stop)
+    old_handlers = install_stop_signals(stop)
     run_dir = Path(run_dir)
     run_dir.mkdir(parents=True, exist_ok=True)
     torch.set_num_threads(int(cfg["learner"]["threads"]))
