@@ -13,6 +13,7 @@ from typing import Any, Callable, Dict, List, Optional
 import msgpack
 import numpy as np
 import pytest
+from synthetic import random_segment
 import zmq
 
 from zclaw import __version__
@@ -37,21 +38,7 @@ def free_port() -> int:
 def seg_arrays(
     rng: np.random.Generator, version: Any = 0, T: int = T, N: int = N, M: int = 1
 ) -> Dict[str, np.ndarray]:
-    out: Dict[str, np.ndarray] = {}
-    for name, (dtype, shape_of) in SEGMENT_ARRAYS.items():
-        shape = shape_of(T, N, SPEC)
-        if dtype == "<f4":
-            out[name] = rng.standard_normal(shape).astype("<f4")
-        elif dtype == "|b1":
-            out[name] = rng.random(shape) < 0.3
-        elif dtype == "<i4":
-            out[name] = rng.integers(0, 3, shape).astype("<i4")
-        else:
-            out[name] = np.broadcast_to(np.asarray(version, dtype="<i8"), shape).copy()
-    out["final_obs"] = rng.standard_normal((M,) + SPEC.obs_shape).astype("<f4")
-    rows = np.stack([rng.integers(0, T, M), rng.integers(0, N, M)], axis=1)
-    out["final_at"] = rows.astype("<i4").reshape(M, 2)
-    return out
+    return random_segment(SPEC, T, N, rng, version=version, M=M, options=3)
 
 
 class Worker:

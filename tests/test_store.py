@@ -6,6 +6,7 @@ from typing import Any, Dict, List, Optional
 
 import numpy as np
 import pytest
+from synthetic import random_segment
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
@@ -22,21 +23,7 @@ def seg_arrays(
     T: int, N: int, rng: np.random.Generator, version: Any = 0, M: int = 0
 ) -> Dict[str, np.ndarray]:
     """Random arrays in the SEGMENT_ARRAYS layout (plus M truncation rows)."""
-    out: Dict[str, np.ndarray] = {}
-    for name, (dtype, shape_of) in SEGMENT_ARRAYS.items():
-        shape = shape_of(T, N, SPEC)
-        if dtype == "<f4":
-            out[name] = rng.standard_normal(shape).astype("<f4")
-        elif dtype == "|b1":
-            out[name] = rng.random(shape) < 0.3
-        elif dtype == "<i4":
-            out[name] = rng.integers(0, 4, shape).astype("<i4")
-        else:
-            out[name] = np.broadcast_to(np.asarray(version, dtype="<i8"), shape).copy()
-    out["final_obs"] = rng.standard_normal((M,) + SPEC.obs_shape).astype("<f4")
-    rows = np.stack([rng.integers(0, T, M), rng.integers(0, N, M)], axis=1)
-    out["final_at"] = rows.astype("<i4").reshape(M, 2)
-    return out
+    return random_segment(SPEC, T, N, rng, version=version, M=M, options=4)
 
 
 def seg_msg(arrays: Dict[str, np.ndarray], seq: int = 0, worker: str = "w0", episodes: Optional[list] = None,
