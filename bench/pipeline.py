@@ -2,8 +2,9 @@
 
 A synthetic producer (no physics: a preallocated segment of T x N steps, re-encoded with a new seq each
 time, exactly as a worker's segment) pushes as fast as the socket takes it. Run A: the real `zclaw
-broker` process stores the segments and a consume-only learner loop (REQ `sample`, decode, validate
-with batch_dims, discard) pulls batches. Run B: the same producer pushes the same frames to a bare PULL
+broker` process stores the segments and a consume-only learner loop (the learner's own client,
+``CreditPirate`` with ``--prefetch`` requests in flight; decode, validate with batch_dims, discard)
+pulls batches. Run B: the same producer pushes the same frames to a bare PULL
 that only receives. Both are measured in this one invocation; the ratio A / B is the figure (target >= 0.5).
 
     python bench/pipeline.py [--seconds 8] [--envs 64] [--T 64]
@@ -22,7 +23,7 @@ import time
 import numpy as np
 import zmq
 
-from zclaw.wire import EnvSpec, LazyPirate, Segment, make, parse
+from zclaw.wire import CreditPirate, EnvSpec, Segment, make, parse
 from zclaw.wire.messages import SEGMENT_ARRAYS, batch_dims
 
 SPEC = EnvSpec("gym:Reacher-v5", (10,), (2,), (-1.0, -1.0), (1.0, 1.0))
@@ -79,7 +80,7 @@ def run_raw(seconds: float, T: int, N: int) -> float:
     return rate
 
 
-def run_pipeline(seconds: float, T: int, N: int, batch: int) -> float:
+def run_pipeline(seconds: float, T: int, N: int, batch: int, prefetch: int) -> float:
     ingest, serve = free_port(), free_port()
     broker = subprocess.Popen(
         [sys.executable, "-m", "zclaw.cli", "broker", "--set", f"network.ingest_port={ingest}",
@@ -88,10 +89,11 @@ def run_pipeline(seconds: float, T: int, N: int, batch: int) -> float:
     p = mp.Process(target=produce, args=(f"tcp://127.0.0.1:{ingest}", T, N, True), daemon=True)
     p.start()
     ctx = zmq.Context()
-    req = LazyPirate(ctx, f"tcp://127.0.0.1:{serve}", timeout_ms=3000, retries=5)
+    req = CreditPirate(ctx, f"tcp://127.0.0.1:{serve}", credit=prefetch, timeout_ms=3000, retries=5)
+    request = make("sample", batch_size=batch, version=0, priority_keys=[], priorities=[])
     n, t0, started = 0, None, time.perf_counter()
     while True:
-        msg = req.request(make("sample", batch_size=batch, version=0, priority_keys=[], priorities=[]))
+        msg = req.exchange(request)
         if msg is None:
             raise SystemExit("broker did not answer")
         if msg.kind == "batch":
@@ -118,12 +120,14 @@ def main() -> None:
     ap.add_argument("--seconds", type=float, default=8.0)
     ap.add_argument("--envs", type=int, default=64)
     ap.add_argument("--T", type=int, default=64)
-    ap.add_argument("--batch", type=int, default=4)
+    ap.add_argument("--batch", type=int, default=16, help="segments per batch request (learner.batch_segments)")
+    ap.add_argument("--prefetch", type=int, default=2, help="requests in flight (learner.prefetch)")
     a = ap.parse_args()
     nbytes = sum(v.nbytes for v in segment_arrays(a.T, a.envs).values())
     raw = run_raw(a.seconds, a.T, a.envs)
-    pipe = run_pipeline(a.seconds, a.T, a.envs, a.batch)
-    print(f"segment: T={a.T} x N={a.envs} = {a.T * a.envs} transitions, {nbytes / 1e6:.2f} MB")
+    pipe = run_pipeline(a.seconds, a.T, a.envs, a.batch, a.prefetch)
+    print(f"segment: T={a.T} x N={a.envs} = {a.T * a.envs} transitions, {nbytes / 1e6:.2f} MB; "
+          f"batch {a.batch} segments, {a.prefetch} request(s) in flight")
     print(f"{'path':<40}{'transitions/s':>16}")
     print(f"{'raw PUSH/PULL (receive + decode)':<40}{raw:>16,.0f}")
     print(f"{'worker -> broker -> learner (consume)':<40}{pipe:>16,.0f}")

@@ -41,7 +41,39 @@ def test_golden_segment_contents_and_layout() -> None:
 
 
 def test_golden_batch_layout() -> None:
-    assert batch_dims(parse(load_golden("batch")), golden.SPEC) == (1, 3, 2, 1)
+    msg = parse(load_golden("batch"))
+    assert batch_dims(msg, golden.SPEC) == (2, 3, 2, 2)
+    for name, arr in golden.segment_arrays().items():  # parts arrive stacked on the leading B axis
+        if name not in ("final_obs", "final_at"):
+            np.testing.assert_array_equal(msg.arrays[name], np.stack([arr, arr]))
+            assert msg.arrays[name].flags.c_contiguous
+
+
+def test_parts_travel_one_frame_each_and_decode_stacked() -> None:
+    parts = [np.full((3, 2), i, np.float32) for i in range(4)]
+    frames = encode({"kind": "x"}, {"a": parts, "b": np.arange(3)})
+    assert len(frames) == 1 + 4 + 1
+    assert all(np.shares_memory(np.frombuffer(f, np.float32), p) for f, p in zip(frames[1:5], parts))  # no copy
+    msg = decode(frames)
+    np.testing.assert_array_equal(msg.arrays["a"], np.stack(parts))
+    np.testing.assert_array_equal(decode(unpack(pack(frames))).arrays["a"], np.stack(parts))
+    with pytest.raises(ValueError):
+        encode({"kind": "x"}, {"a": [np.zeros(2, np.float32), np.zeros(3, np.float32)]})
+    one = encode({"kind": "x"}, {"a": parts[:1]})  # a single part is sent as a plain [1, ...] array
+    assert len(one) == 2 and decode(one).arrays["a"].shape == (1, 3, 2)
+
+
+@pytest.mark.parametrize("entry, cause", [
+    (["a", "<f4", [3, 2], 2], "bad_shape"),  # parts must equal the first dimension
+    (["a", "<f4", [1, 2], 1], "bad_shape"),  # an explicit part count is 2 or more
+    (["a", "<f4", [5000, 2], 5000], "bad_shape"),  # over MAX_PARTS
+    (["a", "<f4", [2, 1 << 30], 2], "bad_length"),  # lengths are checked before anything is allocated
+])
+def test_bad_part_entries_are_wire_errors(entry: list, cause: str) -> None:
+    header = msgpack.packb({"v": 1, "kind": "x", "arrays": [entry]}, use_bin_type=True)
+    with pytest.raises(WireError) as exc:
+        decode([header, b"\0" * 8, b"\0" * 8])
+    assert exc.value.cause == cause
 
 
 def test_roundtrip_multipart_and_packed_are_equal() -> None:

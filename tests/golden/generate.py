@@ -42,10 +42,11 @@ def segment_arrays() -> Dict[str, np.ndarray]:
 
 def messages() -> Dict[str, List[bytes]]:
     seg = segment_arrays()
-    batch = {k: v[None] for k, v in seg.items() if k not in ("final_obs", "final_at")}
-    batch["final_obs"] = seg["final_obs"]
-    batch["final_at"] = np.array([[0, 1, 1]], np.int32)
-    batch["is_weight"] = np.ones(1, np.float32)
+    # as the broker sends it: two segments, each per-step array in one part (frame) per segment
+    batch: Dict[str, object] = {k: [v, v] for k, v in seg.items() if k not in ("final_obs", "final_at")}
+    batch["final_obs"] = np.concatenate([seg["final_obs"], seg["final_obs"]])
+    batch["final_at"] = np.array([[0, 1, 1], [1, 1, 1]], np.int32)
+    batch["is_weight"] = np.ones(2, np.float32)
     episodes = [{"return": -3.5, "length": 50, "success": False}]
     weights_arrays = {"actor.0.weight": np.eye(2, 10, dtype=np.float32), "obs_norm.count": np.array(5.0)}
     out = {
@@ -53,13 +54,16 @@ def messages() -> Dict[str, List[bytes]]:
         "hello": make("hello", role="worker", identity="w0-host-1", host="host", pid=1, zclaw="0.1.0",
                       spec=SPEC.to_dict()),
         "sample": make("sample", batch_size=1, version=8, priority_keys=[3], priorities=[0.5]),
-        "batch": make("batch", batch, keys=[12], workers=["w0-host-1"], seqs=[12], episodes=episodes,
+        "batch": make("batch", batch, keys=[12, 13], workers=["w0-host-1"] * 2, seqs=[12, 13], episodes=episodes,
                       spec_hash=SPEC.hash),
         "retry": make("retry", reason="min_size", retry_ms=20),
         "error": make("error", reason="unknown_kind"),
         "weights": [pack(make("weights", weights_arrays, version=8, step=4096, spec_hash=SPEC.hash,
                               policy={"options": 1}))],
         "snapshot": make("snapshot", spec_hash=SPEC.hash),
+        "welcome": make("welcome", role="broker", identity="broker-host-2", host="host", pid=2, zclaw="0.1.0",
+                        spec=SPEC.to_dict()),
+        "refused": make("refused", reason="env spec 0123456789abcdef differs from the run's", cause="bad_spec"),
         "status": make("status", role="broker", report={"fill": 3, "drops": {"malformed": 1}}),
     }
     return {k: [bytes(memoryview(f).cast("B")) for f in v] for k, v in out.items()}

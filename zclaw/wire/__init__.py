@@ -2,10 +2,10 @@
 package and on no other role."""
 from .messages import SCHEMAS, EnvSpec, Segment, check_header, make, parse, segment_dims
 from .protocol import PROTOCOL_VERSION, Message, WireError, decode, encode, pack, unpack
-from .sockets import DropCounter, LazyPirate, bind, make_socket, tcp
+from .sockets import CreditPirate, DropCounter, LazyPirate, bind, make_socket, tcp
 
 __all__ = [
-    "PROTOCOL_VERSION", "SCHEMAS", "DropCounter", "EnvSpec", "LazyPirate", "Message", "Segment", "WireError",
-    "bind", "check_header", "decode", "encode", "make", "make_socket", "pack", "parse", "segment_dims", "tcp",
+    "PROTOCOL_VERSION", "SCHEMAS", "CreditPirate", "DropCounter", "EnvSpec", "LazyPirate", "Message", "Segment",
+    "WireError", "bind", "check_header", "decode", "encode", "make", "make_socket", "pack", "parse", "segment_dims", "tcp",
     "unpack",
 ]

@@ -20,6 +20,16 @@ from .protocol import Frame, Message, WireError, decode, encode
 _NUM = (int, float)
 _OPT_STR = (str, type(None))
 
+#: how a role announces itself (``hello``) and how the broker answers it (``welcome``)
+_ANNOUNCE: Dict[str, Tuple[tuple, bool]] = {
+    "role": ((str,), True),
+    "identity": ((str,), True),
+    "host": ((str,), True),
+    "pid": ((int,), True),
+    "zclaw": ((str,), True),
+    "spec": ((dict, type(None)), True),
+}
+
 #: header schema of each kind: field -> (allowed python types, required)
 SCHEMAS: Dict[str, Dict[str, Tuple[tuple, bool]]] = {
     # worker -> broker (PUSH): T x N steps of one worker
@@ -29,23 +39,18 @@ SCHEMAS: Dict[str, Dict[str, Tuple[tuple, bool]]] = {
         "spec_hash": ((str,), True),
         "episodes": ((list,), True),
     },
-    # any role -> broker or learner: identity and env spec (also serves as a heartbeat)
-    "hello": {
-        "role": ((str,), True),
-        "identity": ((str,), True),
-        "host": ((str,), True),
-        "pid": ((int,), True),
-        "zclaw": ((str,), True),
-        "spec": ((dict, type(None)), True),
-    },
-    # learner -> broker (REQ): ask for a batch, return priorities of the previous one
+    # any role -> broker: identity and env spec. On the broker's serve socket (REQ -> ROUTER) it is the
+    # handshake and heartbeat, answered by ``welcome`` or ``refused``; on ingest (PUSH) it is sent on every
+    # (re)connection ahead of segments. The protocol version is the header's ``v``.
+    "hello": dict(_ANNOUNCE),
+    # learner -> broker (DEALER): ask for a batch, return priorities of one already trained
     "sample": {
         "batch_size": ((int,), True),
         "version": ((int,), True),
         "priority_keys": ((list,), False),
         "priorities": ((list,), False),
     },
-    # broker -> learner (REP): B segments stacked on a leading axis
+    # broker -> learner (reply to ``sample``): B segments, each per-step array in one part per segment
     "batch": {
         "keys": ((list,), True),
         "workers": ((list,), True),
@@ -53,6 +58,11 @@ SCHEMAS: Dict[str, Dict[str, Tuple[tuple, bool]]] = {
         "episodes": ((list,), True),
         "spec_hash": ((str,), True),
     },
+    # broker -> client (reply to ``hello``): you may go on; who the broker is and the run's env spec
+    "welcome": dict(_ANNOUNCE),
+    # any server -> client: you are not served, and why (``cause``: bad_spec, bad_version, no_spec); the
+    # client logs ``reason`` and stops. Its fields never change, so any protocol version can read it.
+    "refused": {"reason": ((str,), True), "cause": ((str,), True)},
     # any server -> client: "not now, ask again in retry_ms"
     "retry": {"reason": ((str,), True), "retry_ms": ((int,), True)},
     # any server -> client: the request was understood but refused
@@ -63,6 +73,8 @@ SCHEMAS: Dict[str, Dict[str, Tuple[tuple, bool]]] = {
         "step": ((int,), True),
         "spec_hash": ((str,), True),
         "policy": ((dict,), True),
+        # the publishing learner process (host-pid-start): a new one may restart at a lower version
+        "learner": ((str,), False),
     },
     # worker -> learner (REQ): Clone pattern snapshot request for the current weights
     "snapshot": {"spec_hash": ((str,), False)},

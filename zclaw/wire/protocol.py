@@ -13,6 +13,7 @@ Nothing that came off a socket is ever unpickled.
 """
 from __future__ import annotations
 
+import math
 import struct
 from typing import Any, Dict, List, Mapping, Optional, Sequence, Tuple, Union
 
@@ -27,6 +28,7 @@ ALLOWED_DTYPES = frozenset({"<f4", "<f8", "<f2", "<i1", "<i2", "<i4", "<i8", "|i
 #: the largest header we decode; headers are small maps, arrays travel in their own frames.
 MAX_HEADER_BYTES = 1 << 20
 MAX_ARRAYS = 64
+MAX_PARTS = 4096  # frames one array may be split into (a batch sends one part per segment)
 MAX_NDIM = 8
 
 Frame = Union[bytes, memoryview, Any]  # bytes, memoryview or zmq.Frame
@@ -58,9 +60,23 @@ def wire_dtype(dtype: np.dtype) -> str:
     return name
 
 
-def encode(header: Mapping[str, Any], arrays: Optional[Mapping[str, np.ndarray]] = None) -> List[Frame]:
+def _wire_array(arr: Any) -> np.ndarray:
+    a = np.asarray(arr)
+    if not a.dtype.isnative and a.dtype.itemsize > 1:
+        a = a.astype(a.dtype.newbyteorder("="))
+    if not a.flags.c_contiguous:
+        a = np.ascontiguousarray(a)
+    return a
+
+
+def encode(
+    header: Mapping[str, Any], arrays: Optional[Mapping[str, Union[np.ndarray, Sequence[np.ndarray]]]] = None
+) -> List[Frame]:
     """Encode a header and named arrays into frames ``[header, *array_bytes]`` (no copies of arrays).
 
+    An array given as a list of k arrays of one dtype and shape S travels as the array [k, *S] in
+    k *parts*, one frame each, without being stacked first: the broker answers a batch straight
+    from the segments it holds, and the receiver stacks once (see :func:`decode`).
     ``header`` must not already contain ``v`` or ``arrays``; ``kind`` is required.
     """
     if "kind" not in header:
@@ -68,11 +84,16 @@ def encode(header: Mapping[str, Any], arrays: Optional[Mapping[str, np.ndarray]]
     descr = []
     frames: List[Frame] = [b""]
     for name, arr in (arrays or {}).items():
-        a = np.asarray(arr)
-        if not a.dtype.isnative and a.dtype.itemsize > 1:
-            a = a.astype(a.dtype.newbyteorder("="))
-        if not a.flags.c_contiguous:
-            a = np.ascontiguousarray(a)
+        if isinstance(arr, (list, tuple)):
+            parts = [_wire_array(p) for p in arr]
+            if not parts or len({(p.dtype.str, p.shape) for p in parts}) != 1:
+                raise ValueError(f"array {name!r}: parts must be a non-empty list of one dtype and shape")
+            if len(parts) > 1:
+                descr.append([name, wire_dtype(parts[0].dtype), [len(parts)] + list(parts[0].shape), len(parts)])
+                frames.extend(p.data if p.size else b"" for p in parts)
+                continue
+            arr = parts[0][None]  # one part is a plain array (a view, still no copy)
+        a = _wire_array(arr)
         descr.append([name, wire_dtype(a.dtype), list(a.shape)])
         frames.append(a.data if a.size else b"")
     full = dict(header)
@@ -102,12 +123,13 @@ def unpack(frame: Frame) -> List[memoryview]:
     header = _decode_header(header_bytes)
     out: List[memoryview] = [header_bytes]
     pos = 4 + hlen
-    for name, dtype, shape in _array_list(header):
-        n = int(np.prod(shape, dtype=np.int64)) * np.dtype(dtype).itemsize
-        if pos + n > len(buf):
-            raise WireError("bad_length", f"array {name!r} runs past the end of the packed frame")
-        out.append(buf[pos : pos + n])
-        pos += n
+    for name, dtype, shape, parts in _array_list(header):
+        n = math.prod(shape) * np.dtype(dtype).itemsize // parts
+        for _ in range(parts):
+            if pos + n > len(buf):
+                raise WireError("bad_length", f"array {name!r} runs past the end of the packed frame")
+            out.append(buf[pos : pos + n])
+            pos += n
     if pos != len(buf):
         raise WireError("bad_length", "trailing bytes after the last array of a packed frame")
     return out
@@ -130,16 +152,19 @@ def _decode_header(raw: Frame) -> Dict[str, Any]:
     return header
 
 
-def _array_list(header: Mapping[str, Any]) -> List[Tuple[str, str, Tuple[int, ...]]]:
+def _array_list(header: Mapping[str, Any]) -> List[Tuple[str, str, Tuple[int, ...], int]]:
+    """The validated ``arrays`` list: (name, dtype, shape, parts) per array (parts 1 unless given)."""
     descr = header.get("arrays")
     if not isinstance(descr, list) or len(descr) > MAX_ARRAYS:
         raise WireError("malformed", "header 'arrays' is not a list of at most %d entries" % MAX_ARRAYS)
     out = []
     seen = set()
+    total_parts = 0
     for entry in descr:
-        if not (isinstance(entry, list) and len(entry) == 3):
-            raise WireError("malformed", "array entry is not [name, dtype, shape]")
-        name, dtype, shape = entry
+        if not (isinstance(entry, list) and len(entry) in (3, 4)):
+            raise WireError("malformed", "array entry is not [name, dtype, shape] or [name, dtype, shape, parts]")
+        name, dtype, shape = entry[:3]
+        parts = entry[3] if len(entry) == 4 else 1
         if not isinstance(name, str) or name in seen:
             raise WireError("malformed", f"array name {name!r} missing or repeated")
         seen.add(name)
@@ -151,7 +176,16 @@ def _array_list(header: Mapping[str, Any]) -> List[Tuple[str, str, Tuple[int, ..
             or not all(isinstance(d, int) and not isinstance(d, bool) and 0 <= d < 1 << 40 for d in shape)
         ):
             raise WireError("bad_shape", f"array {name!r} has shape {shape!r}")
-        out.append((name, dtype, tuple(shape)))
+        if len(entry) == 4 and not (
+            isinstance(parts, int) and not isinstance(parts, bool) and 2 <= parts <= MAX_PARTS
+            and len(shape) >= 1 and shape[0] == parts
+        ):
+            raise WireError("bad_shape", f"array {name!r}: {parts!r} parts for shape {shape!r} (needs 2..{MAX_PARTS},"
+                                         " equal to the first dimension)")
+        total_parts += parts
+        if total_parts > MAX_PARTS:
+            raise WireError("malformed", f"more than {MAX_PARTS} array frames")
+        out.append((name, dtype, tuple(shape), parts))
     return out
 
 
@@ -191,18 +225,29 @@ def decode(frames: Sequence[Frame], check_finite: bool = True) -> Message:
         frames = unpack(frames[0])  # packed form: a big-endian length prefix starts with a zero byte
     header = _decode_header(frames[0])
     descr = _array_list(header)
-    if len(descr) != len(frames) - 1:
-        raise WireError("bad_length", f"header lists {len(descr)} arrays, message has {len(frames) - 1}")
+    n_frames = sum(parts for _, _, _, parts in descr)
+    if n_frames != len(frames) - 1:
+        raise WireError("bad_length", f"header lists {n_frames} array frames, message has {len(frames) - 1}")
     arrays: Dict[str, np.ndarray] = {}
-    for (name, dtype, shape), frame in zip(descr, frames[1:]):
-        buf = _as_buffer(frame)
+    pos = 1
+    for name, dtype, shape, parts in descr:
         dt = np.dtype(dtype)
-        expected = int(np.prod(shape, dtype=np.int64)) * dt.itemsize
-        if len(buf) != expected:
-            raise WireError("bad_length", f"array {name!r}: {len(buf)} bytes, {dtype}{list(shape)} needs {expected}")
-        arr = np.frombuffer(buf, dtype=dt).reshape(shape) if expected else np.zeros(shape, dt)
-        if check_finite and dt.kind == "f" and arr.size and not np.isfinite(arr).all():
-            raise WireError("non_finite", f"array {name!r} holds NaN or infinity")
-        arrays[name] = arr
+        if parts == 1:
+            arrays[name] = _view(frames[pos], name, dt, shape, check_finite)
+        else:  # stacked parts, each checked first: one copy into a fresh array the receiver needs anyway
+            arrays[name] = np.stack([_view(frames[pos + i], name, dt, shape[1:], check_finite) for i in range(parts)])
+        pos += parts
     del header["arrays"]
     return Message(header, arrays)
+
+
+def _view(frame: Frame, name: str, dt: np.dtype, shape: Tuple[int, ...], check_finite: bool) -> np.ndarray:
+    """A read-only array view of one frame, after checking its length (and finiteness)."""
+    buf = _as_buffer(frame)
+    expected = math.prod(shape) * dt.itemsize
+    if len(buf) != expected:
+        raise WireError("bad_length", f"array {name!r}: {len(buf)} bytes, {dt.str}{list(shape)} needs {expected}")
+    arr = np.frombuffer(buf, dtype=dt).reshape(shape) if expected else np.zeros(shape, dt)
+    if check_finite and dt.kind == "f" and arr.size and not np.isfinite(arr).all():
+        raise WireError("non_finite", f"array {name!r} holds NaN or infinity")
+    return arr

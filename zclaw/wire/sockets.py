@@ -3,12 +3,23 @@
 Every socket is made by :func:`make_socket`, so every one has a receive size cap (``MAXMSGSIZE``),
 bounded queues (``SNDHWM``/``RCVHWM``) and ``LINGER`` set: an unbounded queue or a socket that blocks
 process exit are the two ZeroMQ defaults that bite distributed trainers.
+
+CURVE. ``make_socket(..., curve=CurveServer(...))`` makes an encrypting server socket whose clients must be
+on an allowlist: the first such socket of a context starts that context's ZAP authenticator (a
+``ThreadAuthenticator`` loading the allowlist directory), and every server socket sets
+``ZAP_ENFORCE_DOMAIN`` so that a missing authenticator refuses everyone instead of admitting anyone who
+knows the server's public key (libzmq's default). ``curve=CurveClient(...)`` makes a client that encrypts
+and presents its own key. A context with an authenticator must be closed with :func:`term_context`
+(``ctx.term()`` alone would wait forever on the authenticator's socket).
 """
 from __future__ import annotations
 
+import threading
 import time
-from collections import Counter
-from typing import Any, Callable, Dict, List, Optional, Sequence
+import weakref
+from collections import Counter, deque
+from dataclasses import dataclass, field
+from typing import Any, Callable, Deque, Dict, List, Optional, Sequence, Tuple, Union
 
 import zmq
 
@@ -16,6 +27,101 @@ from .messages import parse
 from .protocol import Frame, Message, WireError
 
 DEFAULT_MAX_MESSAGE_BYTES = 256 << 20
+#: the ZAP domain of every zclaw server socket (the authenticator's allowlist is registered for it)
+ZAP_DOMAIN = "zclaw"
+
+
+@dataclass(frozen=True)
+class CurveServer:
+    """CURVE keys of a server socket (z85) and the directory of client public certs it admits (ZAP)."""
+
+    public: bytes
+    secret: bytes = field(repr=False)
+    allowed_dir: str
+    log: Any = field(default=None, compare=False, repr=False)
+
+
+@dataclass(frozen=True)
+class CurveClient:
+    """CURVE keys a client presents (z85) and the public key of the server it connects to."""
+
+    public: bytes
+    secret: bytes = field(repr=False)
+    server_public: bytes
+
+
+class _ZapLog:
+    """The authenticator's ``logging``-style calls, as structlog lines: refusals counted, at most one
+    warning per interval (a scanner must not flood the log)."""
+
+    def __init__(self, log: Any) -> None:
+        self._log = log
+        self.denied = DropCounter(log, "connections refused by the CURVE allowlist (ZAP)")
+
+    def debug(self, msg: str, *args: Any) -> None:
+        text = msg % args if args else msg
+        if text.startswith("DENIED"):
+            self.denied.drop("zap_denied", text)
+
+    info = debug
+
+    def warning(self, msg: str, *args: Any) -> None:
+        self._log.warning("zap: " + (msg % args if args else msg))
+
+    def error(self, msg: str, *args: Any) -> None:
+        self._log.error("zap: " + (msg % args if args else msg))
+
+    exception = error
+
+
+#: id(ctx) -> (weak reference to ctx, its authenticator, the allowlist directory it loaded)
+_AUTHENTICATORS: Dict[int, Tuple[Any, Any, str]] = {}
+_AUTH_LOCK = threading.Lock()
+
+
+def ensure_authenticator(ctx: zmq.Context, allowed_dir: str, log: Any = None) -> Any:
+    """Start ``ctx``'s ZAP authenticator (once per context) admitting the CURVE keys in ``allowed_dir``.
+
+    The allowlist is read now: a cert added later takes effect when the server restarts.
+    """
+    from zmq.auth.thread import ThreadAuthenticator
+
+    with _AUTH_LOCK:
+        entry = _AUTHENTICATORS.get(id(ctx))
+        if entry is not None and entry[0]() is ctx:
+            if entry[2] != allowed_dir:
+                raise ValueError(f"context already admits {entry[2]!r}; cannot also use allowlist {allowed_dir!r}")
+            return entry[1]
+        auth = ThreadAuthenticator(ctx, log=_ZapLog(log) if log is not None else None)
+        auth.start()
+        # configure_curve's domain is matched literally against each socket's ZAP_DOMAIN ("*" only
+        # covers sockets without a domain), so register the allowlist under ours
+        auth.configure_curve(domain=ZAP_DOMAIN, location=allowed_dir)
+        _AUTHENTICATORS[id(ctx)] = (weakref.ref(ctx), auth, allowed_dir)
+        return auth
+
+
+def term_context(ctx: zmq.Context) -> None:
+    """Stop ``ctx``'s authenticator if it has one, then ``ctx.term()``; close your own sockets first."""
+    with _AUTH_LOCK:
+        entry = _AUTHENTICATORS.pop(id(ctx), None)
+    if entry is not None and entry[0]() is ctx:
+        entry[1].stop()
+    ctx.term()
+
+
+def _apply_curve(ctx: zmq.Context, sock: zmq.Socket, curve: Union[CurveServer, CurveClient]) -> None:
+    if isinstance(curve, CurveServer):
+        ensure_authenticator(ctx, curve.allowed_dir, curve.log)
+        sock.setsockopt(zmq.ZAP_DOMAIN, ZAP_DOMAIN.encode())
+        sock.setsockopt(zmq.ZAP_ENFORCE_DOMAIN, 1)  # no authenticator -> nobody in (fail closed)
+        sock.setsockopt(zmq.CURVE_SECRETKEY, curve.secret)
+        sock.setsockopt(zmq.CURVE_PUBLICKEY, curve.public)
+        sock.setsockopt(zmq.CURVE_SERVER, 1)
+    else:
+        sock.setsockopt(zmq.CURVE_SECRETKEY, curve.secret)
+        sock.setsockopt(zmq.CURVE_PUBLICKEY, curve.public)
+        sock.setsockopt(zmq.CURVE_SERVERKEY, curve.server_public)
 
 
 def make_socket(
@@ -26,9 +132,20 @@ def make_socket(
     hwm: int = 64,
     linger_ms: int = 0,
     conflate: bool = False,
+    curve: Optional[Union[CurveServer, CurveClient]] = None,
 ) -> zmq.Socket:
-    """A socket with the project's safety settings applied; bind or connect it yourself."""
+    """A socket with the project's safety settings applied; bind or connect it yourself.
+
+    ``curve``: None for plain TCP, :class:`CurveServer` for a socket that binds and admits only
+    allowlisted clients, :class:`CurveClient` for one that connects to such a server (see module doc).
+    """
     sock = ctx.socket(kind)
+    if curve is not None:
+        try:
+            _apply_curve(ctx, sock, curve)
+        except BaseException:
+            sock.close(linger=0)
+            raise
     sock.setsockopt(zmq.MAXMSGSIZE, int(max_message_bytes))
     sock.setsockopt(zmq.LINGER, int(linger_ms))
     if conflate:
@@ -97,8 +214,10 @@ class LazyPirate:
         max_message_bytes: int = DEFAULT_MAX_MESSAGE_BYTES,
         log: Any = None,
         configure: Optional[Callable[[zmq.Socket], None]] = None,
+        curve: Optional[CurveClient] = None,
     ) -> None:
         self.ctx = ctx
+        self.curve = curve
         self.endpoint = endpoint
         self.timeout_ms = timeout_ms
         self.retries = retries
@@ -110,8 +229,10 @@ class LazyPirate:
         self.failures = 0  # consecutive timeouts, for callers' reports
         self.drops = Counter()
 
+    socket_type = zmq.REQ
+
     def _connect(self) -> zmq.Socket:
-        sock = make_socket(self.ctx, zmq.REQ, max_message_bytes=self.max_message_bytes)
+        sock = make_socket(self.ctx, self.socket_type, max_message_bytes=self.max_message_bytes, curve=self.curve)
         if self.configure is not None:
             self.configure(sock)
         sock.connect(self.endpoint)
@@ -145,17 +266,89 @@ class LazyPirate:
                         self.log.warning("bad reply", endpoint=self.endpoint, error=str(exc))
                     self.close()
                     continue
-            self.failures += 1
             attempt += 1
-            self.close()
-            if self.retries is not None and attempt > self.retries:
+            if not self._after_timeout(attempt, stop):
                 return None
-            backoff = min(self.backoff_max_ms, 100 * 2 ** min(attempt, 10)) / 1000.0
-            if self.log is not None and (attempt == 1 or attempt % 10 == 0):
-                self.log.warning("no reply, reconnecting (Lazy Pirate)", endpoint=self.endpoint, attempt=attempt)
-            deadline = time.monotonic() + backoff
-            while time.monotonic() < deadline and not stop():
-                time.sleep(0.05)
+        return None
+
+    def _after_timeout(self, attempt: int, stop: Callable[[], bool]) -> bool:
+        """Throw the socket away and back off; False when ``retries`` are used up."""
+        self.failures += 1
+        self.close()
+        if self.retries is not None and attempt > self.retries:
+            return False
+        backoff = min(self.backoff_max_ms, 100 * 2 ** min(attempt, 10)) / 1000.0
+        if self.log is not None and (attempt == 1 or attempt % 10 == 0):
+            self.log.warning("no reply, reconnecting (Lazy Pirate)", endpoint=self.endpoint, attempt=attempt)
+        deadline = time.monotonic() + backoff
+        while time.monotonic() < deadline and not stop():
+            time.sleep(0.05)
+        return True
+
+
+class CreditPirate(LazyPirate):
+    """Lazy Pirate with credit: up to ``credit`` requests in flight on a DEALER, replies in order.
+
+    A REQ socket allows one request at a time, so the peer sits idle while the client works on a
+    reply, and the client waits a full round trip for the next. Here the client keeps ``credit``
+    requests outstanding (the ZeroMQ guide's credit-based flow control): the learner trains on
+    batch i while the broker prepares batch i+1 and ZeroMQ's I/O thread receives it. Reliability is
+    Lazy Pirate's: a reply that does not come within ``timeout_ms`` throws the socket away, and the
+    requests still outstanding are sent again on a fresh one after the same backoff. Use it for
+    requests whose answers are interchangeable (``sample``); a status question goes through a plain
+    :class:`LazyPirate`, since its reply would queue behind the batches.
+    """
+
+    socket_type = zmq.DEALER
+
+    def __init__(self, ctx: zmq.Context, endpoint: str, *, credit: int = 2, **kwargs: Any) -> None:
+        if credit < 1:
+            raise ValueError(f"credit = {credit} must be >= 1")
+        super().__init__(ctx, endpoint, **kwargs)
+        self.credit = int(credit)
+        self.in_flight: Deque[Sequence[Frame]] = deque()
+
+    def _send(self, frames: Sequence[Frame]) -> None:
+        assert self.sock is not None
+        self.sock.send_multipart([b""] + list(frames), copy=False)  # the empty delimiter REQ would add
+
+    def exchange(
+        self,
+        frames: Sequence[Frame],
+        kinds: Optional[Sequence[str]] = None,
+        stop: Callable[[], bool] = lambda: False,
+    ) -> Optional[Message]:
+        """Top up the requests in flight to ``credit`` with ``frames``; return the oldest one's reply.
+
+        None when stopped or when ``retries`` timeouts in a row are used up. A malformed reply is
+        counted in ``drops`` and skipped (its request is answered, the stream stays in order).
+        """
+        attempt = 0
+        while not stop():
+            if self.sock is None:
+                self.sock = self._connect()
+                for pending in self.in_flight:  # a fresh socket: what the old one still owed is asked again
+                    self._send(pending)
+            while len(self.in_flight) < self.credit:
+                self._send(frames)
+                self.in_flight.append(frames)
+            if self.sock.poll(self.timeout_ms, zmq.POLLIN):
+                reply = self.sock.recv_multipart(copy=False)
+                self.in_flight.popleft()
+                self.failures = 0
+                attempt = 0
+                try:
+                    if len(reply) < 2 or len(reply[0]) != 0:
+                        raise WireError("malformed", "reply lacks the empty delimiter frame")
+                    return parse(reply[1:], kinds)
+                except WireError as exc:
+                    self.drops[exc.cause] += 1
+                    if self.log is not None:
+                        self.log.warning("bad reply", endpoint=self.endpoint, error=str(exc))
+                    continue
+            attempt += 1
+            if not self._after_timeout(attempt, stop):
+                return None
         return None
 
 

@@ -1,0 +1,98 @@
+"""Lazy Pirate with credit: requests stay in flight, replies come back in order, a dead peer is survived."""
+from __future__ import annotations
+
+import socket
+import threading
+import time
+from typing import List
+
+import zmq
+
+from zclaw.wire import CreditPirate, make, parse
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+class Server(threading.Thread):
+    """A ROUTER on loopback TCP that answers ``retry`` requests in order, once ``hold`` of them queue."""
+
+    def __init__(self, ctx: zmq.Context, port: int, hold: int = 1, answer: bool = True) -> None:
+        super().__init__(daemon=True)
+        self.sock = ctx.socket(zmq.ROUTER)
+        self.sock.setsockopt(zmq.LINGER, 0)
+        self.sock.bind(f"tcp://127.0.0.1:{port}")
+        self.hold, self.answer = hold, answer
+        self.seen: List[int] = []
+        self.max_queued = 0
+        self.stop = threading.Event()
+
+    def run(self) -> None:
+        queued = []
+        while not self.stop.is_set():
+            if self.sock.poll(20):
+                ident, empty, *body = self.sock.recv_multipart()
+                msg = parse(body)
+                self.seen.append(msg["retry_ms"])
+                queued.append((ident, msg["retry_ms"]))
+                self.max_queued = max(self.max_queued, len(queued))
+            if self.answer and len(queued) >= self.hold:
+                for ident, n in queued:
+                    self.sock.send_multipart([ident, b""] + make("retry", reason="echo", retry_ms=n))
+                queued = []
+        self.sock.close(0)
+
+
+def test_credit_keeps_requests_in_flight_and_replies_in_order() -> None:
+    ctx = zmq.Context()
+    port = free_port()
+    server = Server(ctx, port, hold=3)  # answers only once three requests wait: proves they were in flight
+    server.start()
+    client = CreditPirate(ctx, f"tcp://127.0.0.1:{port}", credit=3, timeout_ms=2000, retries=1)
+    try:
+        replies = [client.exchange(make("retry", reason="q", retry_ms=i + 1)) for i in range(6)]
+        # the first call fills three credits with request 1; each later call adds one request and takes one reply
+        assert [r["retry_ms"] for r in replies] == [1, 1, 1, 2, 3, 4]
+        assert server.max_queued == 3 and len(client.in_flight) == 2
+    finally:
+        server.stop.set(); server.join(); client.close(); ctx.term()
+
+
+def test_a_silent_peer_is_replaced_and_outstanding_requests_are_sent_again() -> None:
+    ctx = zmq.Context()
+    port = free_port()
+    mute = Server(ctx, port, answer=False)
+    mute.start()
+    client = CreditPirate(ctx, f"tcp://127.0.0.1:{port}", credit=2, timeout_ms=300, retries=None)
+    try:
+        result = {}
+        ask = make("retry", reason="q", retry_ms=7)
+        t = threading.Thread(target=lambda: result.setdefault("r", client.exchange(ask)))
+        t.start()
+        deadline = time.monotonic() + 5
+        while len(mute.seen) < 2 and time.monotonic() < deadline:
+            time.sleep(0.01)
+        assert mute.seen == [7, 7]  # both credits went out, neither is answered
+        mute.stop.set(); mute.join()
+        live = Server(ctx, port)  # the peer comes back on the same port
+        live.start()
+        t.join(10)
+        assert result["r"]["retry_ms"] == 7 and client.failures == 0
+        assert live.seen[:2] == [7, 7]  # the fresh socket asked both outstanding requests again
+        live.stop.set(); live.join()
+    finally:
+        client.close(); ctx.term()
+
+
+def test_retries_used_up_returns_none() -> None:
+    ctx = zmq.Context()
+    client = CreditPirate(ctx, f"tcp://127.0.0.1:{free_port()}", credit=2, timeout_ms=50, retries=1,
+                          backoff_max_ms=50)
+    try:
+        assert client.exchange(make("retry", reason="q", retry_ms=1)) is None
+        assert client.failures == 2
+    finally:
+        client.close(); ctx.term()
