@@ -5,6 +5,9 @@ import signal
 import threading
 from typing import Any, Dict
 
+#: exit code of a role a server refused (another env spec or protocol version): restarting cannot help
+EXIT_REFUSED = 3
+
 
 def install_stop_signals(stop: threading.Event) -> Dict[int, Any]:
     """SIGINT and SIGTERM set ``stop``; return the previous handlers so the caller can restore them.

@@ -30,7 +30,9 @@ socket cap (per frame, as libzmq checks it) it is disconnected by libzmq, uncoun
 """
 from __future__ import annotations
 
+import os
 import signal
+import socket
 import threading
 import time
 from collections import Counter, OrderedDict, deque
@@ -43,9 +45,12 @@ from ..stopping import install_stop_signals
 
 from .. import __version__
 from ..wire.messages import EnvSpec, make, parse
-from ..wire.protocol import Frame, Message, WireError
-from ..wire.sockets import DropCounter, bind, make_socket
+from ..wire.protocol import PROTOCOL_VERSION, Frame, Message, WireError
+from ..config import ConfigError
+from ..security import Security
+from ..wire.sockets import DropCounter, bind, make_socket, term_context
 from .ratelimit import SampleToInsertRatio
+from . import snapshot
 from .store import LAG_BUCKETS, Store
 
 POLL_MS = 100
@@ -96,6 +101,7 @@ class WorkerInfo:
         self.segments = 0
         self.steps = 0
         self.version: Optional[int] = None
+        self.version_t = now  # when ``version`` last changed: how long the worker has acted on those weights
         self.rate = RateMeter(now=now)
 
     def report(self, now: float) -> Dict[str, Any]:
@@ -107,6 +113,7 @@ class WorkerInfo:
             "steps": self.steps,
             "rate": self.rate.rate(now),
             "version": self.version,
+            "version_age_s": round(now - self.version_t, 3),
         }
 
 
@@ -131,6 +138,13 @@ class Broker:
         self.episodes_total = 0
         self.returns: Deque[float] = deque(maxlen=100)
         self.successes: Deque[Optional[bool]] = deque(maxlen=100)
+        self.snapshots: Optional[snapshot.Snapshotter] = None
+        self.identity = f"broker-{socket.gethostname()}-{os.getpid()}"
+        self.refused: Counter = Counter()
+        self._refusal_logged: Dict[Tuple[str, str], float] = {}
+        self._clients: set = set()
+        #: what the snapshot restored at start brought (counters before this process), or None
+        self.restored: Optional[Dict[str, int]] = None
 
     # ---------------------------------------------------------------------------------- ingest
 
@@ -190,6 +204,7 @@ class Broker:
             alpha=b["priority_alpha"],
             beta=b["priority_beta"],
             seed=self.cfg["run"]["seed"],
+            option_balanced=bool(b.get("option_balanced", False)),
         )
         self.spec = spec
         self.log.info("adopted env spec", spec=spec.to_dict(), spec_hash=spec.hash, source=identity)
@@ -210,7 +225,8 @@ class Broker:
         info.steps += steps
         info.rate.add(steps, now)
         v = int(msg.arrays["policy_version"].max())
-        info.version = v if info.version is None else max(info.version, v)
+        if info.version is None or v > info.version:
+            info.version, info.version_t = v, now
         for ep in msg["episodes"]:
             self.episodes_total += 1
             self.returns.append(float(ep["return"]))
@@ -230,16 +246,64 @@ class Broker:
             size = sum(len(f) for f in body)
             if size > self.max_bytes:
                 raise WireError("oversize", f"{size} bytes > {self.max_bytes}")
-            msg = parse(body, ("sample", "status"))
-            reply = self.report_message() if msg.kind == "status" else self._on_sample(msg)
+            msg = parse(body, ("sample", "status", "hello"))
+            if msg.kind == "hello":
+                reply = self._on_hello_request(msg)
+            else:
+                reply = self.report_message() if msg.kind == "status" else self._on_sample(msg)
         except WireError as exc:
             self.drops.drop(exc.cause, str(exc))
-            reply = make("error", reason=str(exc)[:500])
+            if exc.cause == "bad_version":  # another protocol: a clear refusal, not a generic error
+                reply = self._refuse("?", exc.cause,
+                                     f"{exc}; this broker speaks protocol v{PROTOCOL_VERSION}")
+            else:
+                reply = make("error", reason=str(exc)[:500])
         except Exception as exc:
             self.drops.drop("internal", repr(exc))
             self.log.exception("request handler failed")
             reply = make("error", reason="internal error")
         return [identity, b""] + list(reply)
+
+    def _on_hello_request(self, msg: Message) -> List[Frame]:
+        """The handshake and heartbeat: ``welcome`` if the client may go on, else ``refused`` with why.
+
+        A worker must announce an env spec; the first one the broker sees becomes the run's (unless a
+        snapshot already fixed it), and any other is refused, before the worker sends a segment.
+        """
+        who, role, spec_d = msg["identity"], msg["role"], msg["spec"]
+        if spec_d is None and role == "worker":
+            return self._refuse(who, "no_spec", "a worker hello must carry its env spec")
+        if spec_d is not None:
+            spec = EnvSpec.from_dict(spec_d)  # raises WireError("bad_spec") if incomplete
+            if self.spec is None:
+                self._adopt(spec, who)
+            elif spec.hash != self.spec.hash:
+                return self._refuse(who, "bad_spec", f"env spec {spec.hash} ({spec.env_id}) differs from the "
+                                    f"run's {self.spec.hash} ({self.spec.env_id})")
+        if role == "worker":
+            info = self._worker(who, time.monotonic())
+            info.host, info.pid = msg["host"], msg["pid"]
+        elif who not in self._clients:  # a learner or a tool: say who came, once
+            if len(self._clients) >= MAX_WORKERS:
+                self._clients.clear()
+            self._clients.add(who)
+            self.log.info("client said hello", client=who, role=role, host=msg["host"], pid=msg["pid"],
+                          zclaw=msg["zclaw"])
+        return make("welcome", role="broker", identity=self.identity, host=socket.gethostname(),
+                    pid=os.getpid(), zclaw=__version__,
+                    spec=self.spec.to_dict() if self.spec is not None else None)
+
+    def _refuse(self, who: str, cause: str, reason: str) -> List[Frame]:
+        """Count a refusal and log it (once a minute per client and cause: a retrying client cannot flood)."""
+        self.refused[cause] += 1
+        now = time.monotonic()
+        key = (who, cause)
+        if now - self._refusal_logged.get(key, -1e9) >= 60.0:
+            if len(self._refusal_logged) >= MAX_WORKERS:
+                self._refusal_logged.clear()
+            self._refusal_logged[key] = now
+            self.log.warning("refused", client=who, cause=cause, reason=reason)
+        return make("refused", reason=reason[:500], cause=cause)
 
     def _retry(self, reason: str) -> List[Frame]:
         self.retries[reason] += 1
@@ -272,7 +336,7 @@ class Broker:
         self.sample_meter.add(n)
         return make(
             "batch",
-            batch.arrays,
+            batch.wire_arrays(),
             keys=batch.keys,
             workers=batch.workers,
             seqs=batch.seqs,
@@ -309,6 +373,9 @@ class Broker:
             "return_mean_100": (sum(self.returns) / len(self.returns)) if self.returns else None,
             "success_rate_100": (sum(1 for s in known if s) / len(known)) if known else None,
             "retries": dict(self.retries),
+            "snapshot": self.snapshots.report() if self.snapshots is not None else None,
+            "refused": dict(self.refused),
+            "restored": self.restored,
         }
 
     def report_message(self) -> List[Frame]:
@@ -330,7 +397,79 @@ class Broker:
             lag_hist=r["lag_hist"],
         )
 
+    # -------------------------------------------------------------------------------- snapshots
 
+    def snapshot_state(self) -> Optional[Tuple[Dict[str, Any], Dict[str, Any]]]:
+        """(arrays, meta) for :mod:`zclaw.broker.snapshot`, or None while there is no store yet."""
+        if self.store is None:
+            return None
+        arrays, store_meta = self.store.state()
+        meta = {
+            "store": store_meta, "zclaw": __version__, "written_at": time.time(),
+            "broker": {"episodes_total": self.episodes_total, "returns": list(self.returns),
+                       "successes": list(self.successes), "limiter_inserts": self.limiter.inserts,
+                       "limiter_samples": self.limiter.samples},
+        }
+        return arrays, meta
+
+    def snapshot_marker(self) -> Any:
+        """Changes whenever the store does (inserts, batches served): an idle store is not rewritten."""
+        st = self.store
+        return None if st is None else (st.inserted, st.batches, st.fill)
+
+    def restore_snapshot(self, arrays: Dict[str, Any], meta: Dict[str, Any]) -> int:
+        """Adopt the snapshot's env spec and load its store; return the segments restored.
+
+        Raises ``ValueError`` (leaving the broker empty) when it does not fit this configuration.
+        """
+        spec = EnvSpec.from_dict(meta["store"]["spec"])
+        self._adopt(spec, "snapshot")
+        assert self.store is not None
+        try:
+            n = self.store.restore(arrays, meta["store"])
+        except (ValueError, KeyError, TypeError, IndexError) as exc:
+            self.store, self.spec = None, None
+            raise ValueError(str(exc)) from None
+        b = meta.get("broker") or {}
+        self.episodes_total = int(b.get("episodes_total", 0))
+        self.returns.extend(float(r) for r in b.get("returns", []))
+        self.successes.extend(b.get("successes", []))
+        self.limiter.inserts = int(b.get("limiter_inserts", self.store.inserted))
+        self.limiter.samples = int(b.get("limiter_samples", self.store.sampled))
+        self.restored = {"segments": n, "inserted_segments": self.store.inserted,
+                         "inserted_steps": self.store.inserted_steps, "episodes": self.episodes_total}
+        return n
+
+
+def _restore(broker: Broker, path: Path, log: Any) -> None:
+    """Restore the latest snapshot at ``path`` if there is one; log what was restored (or why not)."""
+    try:
+        state = snapshot.load(path)
+    except snapshot.SnapshotError as exc:
+        log.error("snapshot not restored", path=str(path), error=str(exc))
+        return
+    if state is None:
+        log.info("no snapshot to restore", path=str(path))
+        return
+    arrays, meta = state
+    try:
+        n = broker.restore_snapshot(arrays, meta)
+    except (ValueError, KeyError, TypeError, WireError) as exc:
+        kept = path.with_name(path.name + ".rejected")  # the next snapshot must not overwrite it unseen
+        try:
+            path.replace(kept)
+        except OSError:
+            kept = path
+        log.error("snapshot not restored: it does not fit this configuration; starting empty", path=str(kept),
+                  error=str(exc))
+        return
+    st = broker.store
+    assert st is not None
+    log.info(
+        "restored snapshot", path=str(path), segments=n, inserted=st.inserted, sampled=st.sampled,
+        batches=st.batches, age_s=round(time.time() - float(meta.get("written_at", time.time())), 3),
+        spec_hash=broker.spec.hash if broker.spec else None,
+    )
 
 
 def main(
@@ -338,24 +477,46 @@ def main(
     log: Any,
     run_dir: Optional[Path] = None,
     stop: Optional[threading.Event] = None,
+    restore: bool = True,
 ) -> int:
     """Run the broker until SIGINT/SIGTERM (or ``stop`` is set); return the exit code.
 
-    ``run_dir`` is reserved for store snapshots and is not written yet.
+    With ``run_dir`` the store is restored from ``run_dir/snapshots/store.npz`` at start, snapshotted
+    every ``broker.snapshot_s`` seconds without pausing ingest, and once more on the way out;
+    ``restore=False`` (``--fresh``) starts empty instead, and the next snapshot replaces the old one.
     """
     stop = stop if stop is not None else threading.Event()
     old_handlers = install_stop_signals(stop)
     net = cfg["network"]
     host = net["bind_host"] or net["broker_host"]
+    try:  # CURVE keys (docs/multihost.md); no unprotected bind beyond loopback
+        sec = Security.from_config(cfg, "broker", log=log)
+        sec.check_bind(host)
+    except ConfigError as exc:
+        log.error("refusing to start", error=str(exc))
+        return 2
     try:
         broker = Broker(cfg, log)
     except ValueError as exc:
         log.error("bad broker configuration", error=str(exc))
         return 2
+    snaps: Optional[snapshot.Snapshotter] = None
+    if run_dir is not None:
+        path = snapshot.snapshot_path(run_dir)
+        snaps = snapshot.Snapshotter(path, cfg["broker"]["snapshot_s"], log, broker.snapshot_state,
+                                     broker.snapshot_marker, mode=cfg["broker"]["snapshot_mode"])
+        if restore:
+            _restore(broker, path, log)
+            snaps.mark_restored()
+        else:
+            log.info("starting with an empty store (--fresh)", path=str(path))
+    else:
+        log.info("store snapshots off: no --run-dir")
+    broker.snapshots = snaps
     socket_cap = 2 * broker.max_bytes + SOCKET_CAP_SLACK
     ctx = zmq.Context()
-    ingest = make_socket(ctx, zmq.PULL, max_message_bytes=socket_cap)
-    serve = make_socket(ctx, zmq.ROUTER, max_message_bytes=socket_cap)
+    ingest = make_socket(ctx, zmq.PULL, max_message_bytes=socket_cap, curve=sec.server())
+    serve = make_socket(ctx, zmq.ROUTER, max_message_bytes=socket_cap, curve=sec.server())
     try:
         try:
             ingest_port = bind(ingest, host, net["ingest_port"])
@@ -372,6 +533,7 @@ def main(
             capacity=cfg["broker"]["capacity"],
             max_message_mb=net["max_message_mb"],
             zclaw=__version__,
+            **sec.summary(),
         )
         poller = zmq.Poller()
         poller.register(ingest, zmq.POLLIN)
@@ -400,15 +562,22 @@ def main(
                         break
                     broker.on_ingest(frames)
             now = time.monotonic()
+            if snaps is not None:
+                snaps.tick(now)
             if now >= next_status:
                 broker.log_status()
                 next_status = now + status_s
         log.info("stopping")
         broker.log_status()
+        if snaps is not None:
+            outcome = snaps.final()
+            log.info("final snapshot", path=str(snaps.path), outcome=outcome,
+                     segments=broker.store.fill if broker.store is not None else 0,
+                     inserted=broker.store.inserted if broker.store is not None else 0)
         return 0
     finally:
         ingest.close(linger=0)
         serve.close(linger=0)
-        ctx.term()
+        term_context(ctx)
         for sig, handler in old_handlers.items():
             signal.signal(sig, handler)

@@ -26,6 +26,9 @@ Modes (which ``n`` segments :meth:`Store.sample` returns):
   likely to be seen once; the learner sends new priorities with its next request
   (:meth:`Store.update_priorities`).
 
+With ``option_balanced`` (queue and uniform modes) the ``n`` segments are drawn, without replacement,
+with probability ``P(s) ~ sum_o n_o(s) / n_o`` instead (:mod:`zclaw.broker.balance`).
+
 In every mode ``max_reuse > 0`` removes a segment after that many uses, and ``max_staleness >= 0``
 removes, at sample time, segments whose lag ``learner_version - min(policy_version)`` exceeds it
 (drop cause ``"stale"``): off-policy corrections only stretch so far.
@@ -40,6 +43,8 @@ import numpy as np
 
 from ..wire.messages import SEGMENT_ARRAYS, EnvSpec, segment_dims
 from ..wire.protocol import Message, WireError
+from .balance import OptionBalancer
+from .slots import SlotRing
 from .sumtree import SumTree
 
 MODES = ("queue", "uniform", "prioritized")
@@ -61,22 +66,37 @@ def lag_buckets(lags: np.ndarray, weight: int = 1) -> Dict[str, int]:
 
 @dataclass
 class SampledBatch:
-    """What :meth:`Store.sample` returns: the arrays in batch layout plus per-segment metadata.
+    """What :meth:`Store.sample` returns: the batch's arrays plus per-segment metadata.
 
-    ``arrays`` holds every field of ``SEGMENT_ARRAYS`` stacked on a leading B axis, ``final_obs``
-    ``[M, *obs_shape]`` with ``final_at`` rows ``(b, t, n)``, and ``is_weight[B]`` (see
-    ``zclaw.wire.messages.BATCH_EXTRA``). The arrays are fresh copies: the store may overwrite its
-    slots while a zero-copy send of the batch is still in flight. ``episodes`` holds the episode
+    ``parts`` holds, per field of ``SEGMENT_ARRAYS``, the B segments' arrays by reference (the
+    store's read-only received buffers, never written: see ``zclaw.broker.slots``), which the broker
+    sends as they are, one frame per segment; ``extra`` holds ``final_obs`` ``[M, *obs_shape]`` with
+    ``final_at`` rows ``(b, t, n)`` and ``is_weight[B]`` (see ``zclaw.wire.messages.BATCH_EXTRA``).
+    :attr:`arrays` is the stacked batch layout the learner decodes. ``episodes`` holds the episode
     stats of the segments sampled here for the first time only, so a learner counting them sees
     each episode once whatever ``max_reuse`` is.
     """
 
-    arrays: Dict[str, np.ndarray]
+    parts: Dict[str, List[np.ndarray]]
+    extra: Dict[str, np.ndarray]
     keys: List[int]
     workers: List[str]
     seqs: List[int]
     episodes: List[Dict[str, Any]] = field(default_factory=list)
     lag_hist: Dict[str, int] = field(default_factory=dict)
+
+    @property
+    def arrays(self) -> Dict[str, np.ndarray]:
+        """Every field stacked on a leading B axis (copies), as the learner receives the batch."""
+        out: Dict[str, np.ndarray] = {name: np.stack(p) for name, p in self.parts.items()}
+        out.update(self.extra)
+        return out
+
+    def wire_arrays(self) -> Dict[str, Any]:
+        """What ``zclaw.wire.make("batch", ...)`` sends: per-segment parts (no copy) and the extras."""
+        out: Dict[str, Any] = dict(self.parts)
+        out.update(self.extra)
+        return out
 
 
 class Store:
@@ -92,6 +112,7 @@ class Store:
         alpha: float = 0.6,
         beta: float = 0.4,
         seed: int = 0,
+        option_balanced: bool = False,
     ) -> None:
         if isinstance(capacity, bool) or not isinstance(capacity, int) or capacity < 1:
             raise ValueError(f"capacity = {capacity!r} must be an integer >= 1")
@@ -117,7 +138,7 @@ class Store:
         self.T: Optional[int] = None
         self.N: Optional[int] = None
         self._rng = np.random.default_rng(seed)
-        self._data: Dict[str, np.ndarray] = {}
+        self._data: Dict[str, SlotRing] = {}
         C = capacity
         self._key = np.full(C, -1, dtype=np.int64)  # -1: empty slot
         self._uses = np.zeros(C, dtype=np.int64)
@@ -128,6 +149,8 @@ class Store:
         self._final_obs: List[Optional[np.ndarray]] = [None] * C
         self._final_at: List[Optional[np.ndarray]] = [None] * C
         self._tree = SumTree(C) if mode == "prioritized" else None
+        #: option-balanced draws in queue/uniform modes (see zclaw/broker/balance.py)
+        self._balance = OptionBalancer(C) if option_balanced and mode != "prioritized" else None
         self.max_priority = 1.0
         self._next_key = 0
         self._fill = 0
@@ -178,15 +201,111 @@ class Store:
     def tree_total(self) -> float:
         return self._tree.total if self._tree is not None else float(self._fill)
 
+    # -------------------------------------------------------------------------------- snapshots
+
+    def state(self) -> Tuple[Dict[str, np.ndarray], Dict[str, Any]]:
+        """Everything :meth:`restore` needs: arrays (occupied slots only) and JSON-able metadata.
+
+        The data arrays are lists of the occupied slots' own arrays (which ``snapshot.write`` streams
+        as stacked rows) or stacked copies; ``zclaw.broker.snapshot`` calls this in a forked child,
+        frozen copy-on-write, where it costs the broker's loop nothing.
+        """
+        slots = np.flatnonzero(self._key >= 0)
+        arrays: Dict[str, np.ndarray] = {"slot": slots, "key": self._key[slots], "uses": self._uses[slots],
+                                         "min_version": self._min_version[slots]}
+        for name, data in self._data.items():  # slots by reference where the ring can: no copy of the store
+            parts = getattr(data, "parts", None)
+            arrays["data." + name] = parts(slots) if parts is not None and len(slots) else data[slots]
+        counts = [0 if self._final_at[s] is None else len(self._final_at[s]) for s in slots]
+        arrays["final_count"] = np.asarray(counts, dtype=np.int64)
+        fo = [self._final_obs[s] for s in slots if self._final_obs[s] is not None]
+        fa = [self._final_at[s] for s in slots if self._final_at[s] is not None]
+        arrays["final_obs"] = np.concatenate(fo) if fo else np.zeros((0,) + self.spec.obs_shape, np.float32)
+        arrays["final_at"] = np.concatenate(fa) if fa else np.zeros((0, 2), np.int32)
+        if self._tree is not None:
+            arrays["priority"] = self._tree.values()[slots]
+        meta = {
+            "spec": self.spec.to_dict(), "capacity": self.capacity, "mode": self.mode,
+            "T": self.T, "N": self.N,
+            "workers": [self._workers[s] for s in slots], "seqs": [self._seqs[s] for s in slots],
+            "episodes": [self._episodes[s] for s in slots], "next_key": self._next_key,
+            "max_priority": self.max_priority, "inserted": self.inserted,
+            "inserted_steps": self.inserted_steps,
+            "sampled": self.sampled, "batches": self.batches, "drops": dict(self.drops),
+            "lag_hist": dict(self.lag_hist), "rng": self._rng.bit_generator.state,
+        }
+        return arrays, meta
+
+    def restore(self, arrays: Dict[str, np.ndarray], meta: Dict[str, Any]) -> int:
+        """Load what :meth:`state` returned into this (empty) store; return the segments restored.
+
+        Raises ``ValueError`` (and changes nothing) when the snapshot is for another env spec,
+        capacity or mode, or its arrays do not fit the layout.
+        """
+        if EnvSpec.from_dict(meta["spec"]).hash != self.spec.hash:
+            raise ValueError(f"snapshot env spec {meta['spec'].get('env_id')!r} differs from the store's")
+        if (meta["capacity"], meta["mode"]) != (self.capacity, self.mode):
+            raise ValueError(f"snapshot is capacity {meta['capacity']} {meta['mode']}, the store is "
+                             f"capacity {self.capacity} {self.mode}")
+        if self.T is not None:
+            raise ValueError("restore needs an empty store")
+        slots = np.asarray(arrays["slot"], dtype=np.int64)
+        n = len(slots)
+        if n and meta["T"] is None:
+            raise ValueError("snapshot has segments but no segment shape")
+        if n and ((slots < 0).any() or (slots >= self.capacity).any() or len(np.unique(slots)) != n):
+            raise ValueError("snapshot slots are out of range or repeated")
+        counts = np.asarray(arrays["final_count"], dtype=np.int64)
+        if len(counts) != n or not int(counts.sum()) == len(arrays["final_at"]) == len(arrays["final_obs"]):
+            raise ValueError("snapshot truncation rows do not add up")
+        if n and ((np.asarray(arrays["key"]) % self.capacity) != slots).any():
+            raise ValueError("snapshot keys do not live in their slots")
+        if meta["T"] is not None:
+            T, N = int(meta["T"]), int(meta["N"])
+            for name, (dtype, shape_of) in SEGMENT_ARRAYS.items():
+                a = np.asarray(arrays["data." + name])
+                if a.dtype != np.dtype(dtype) or a.shape != (n,) + tuple(shape_of(T, N, self.spec)):
+                    raise ValueError(f"snapshot array {name} is {a.dtype}{list(a.shape)}")
+            self._allocate(T, N)
+            for name in SEGMENT_ARRAYS:
+                self._data[name][slots] = np.asarray(arrays["data." + name])
+        ends = np.cumsum(counts)
+        for i, s in enumerate(slots):
+            s = int(s)
+            self._key[s] = int(arrays["key"][i])
+            self._uses[s] = int(arrays["uses"][i])
+            self._min_version[s] = int(arrays["min_version"][i])
+            self._workers[s] = str(meta["workers"][i])
+            self._seqs[s] = int(meta["seqs"][i])
+            self._episodes[s] = [dict(ep) for ep in meta["episodes"][i]]
+            if counts[i]:
+                lo, hi = int(ends[i] - counts[i]), int(ends[i])
+                self._final_obs[s] = np.array(arrays["final_obs"][lo:hi], dtype=np.float32)
+                self._final_at[s] = np.array(arrays["final_at"][lo:hi], dtype=np.int32)
+            if self._tree is not None:
+                prio = arrays.get("priority")
+                self._tree.update(s, float(prio[i]) if prio is not None else 1.0)
+        self._fill = n
+        self._next_key = int(meta["next_key"])
+        self.max_priority = float(meta["max_priority"])
+        for name in ("inserted", "inserted_steps", "sampled", "batches"):
+            setattr(self, name, int(meta[name]))
+        self.drops = Counter({str(k): int(v) for k, v in meta["drops"].items()})
+        self.lag_hist = {b: int(meta["lag_hist"].get(b, 0)) for b in LAG_BUCKETS}
+        self._rng.bit_generator.state = meta["rng"]
+        return n
+
     # ----------------------------------------------------------------------------------- insert
 
     def _allocate(self, T: int, N: int) -> None:
         self.T, self.N = T, N
         for name, (dtype, shape_of) in SEGMENT_ARRAYS.items():
             shape = (self.capacity,) + tuple(shape_of(T, N, self.spec))
-            self._data[name] = np.zeros(shape, dtype=np.dtype(dtype))
+            self._data[name] = SlotRing(self.capacity, dtype, shape[1:])
 
     def _remove(self, slot: int) -> None:
+        for ring in self._data.values():
+            ring.clear(slot)
         self._key[slot] = -1
         self._uses[slot] = 0
         self._episodes[slot] = []
@@ -197,7 +316,11 @@ class Store:
         self._fill -= 1
 
     def insert(self, msg: Message) -> int:
-        """Validate a ``segment`` message and copy it into the ring; return its key.
+        """Validate a ``segment`` message and keep it in the ring; return its key.
+
+        The ring keeps references to the message's arrays, not copies (see ``zclaw.broker.slots``):
+        frames received from a socket belong to nobody else; a caller passing its own arrays must
+        not modify them afterwards.
 
         Raises :class:`WireError` (``bad_spec``, ``bad_shape``, ``bad_dtype``, ``bad_value``, ...)
         before anything is written, so a bad segment never touches stored data.
@@ -224,6 +347,8 @@ class Store:
         self._workers[slot] = msg["worker"]
         self._seqs[slot] = int(msg["seq"])
         self._episodes[slot] = [dict(ep) for ep in msg["episodes"]]
+        if self._balance is not None:
+            self._balance.insert(slot, msg.arrays["option"])
         if self._tree is not None:
             self._tree.update(slot, max(self.max_priority, MIN_PRIORITY) ** self.alpha)
         self._next_key += 1
@@ -299,7 +424,9 @@ class Store:
             self.last_reason = "not_enough_data"
             return None
         is_weight = np.ones(n, dtype=np.float32)
-        if self.mode == "queue":
+        if self._balance is not None:
+            slots = self._balance.choose(occupied, n, self._rng)
+        elif self.mode == "queue":
             slots = occupied[np.argsort(self._key[occupied], kind="stable")[:n]]
         elif self.mode == "uniform":
             slots = self._rng.choice(occupied, size=n, replace=False)
@@ -331,7 +458,8 @@ class Store:
         return slots, mass / total
 
     def _gather(self, slots: np.ndarray, is_weight: np.ndarray, learner_version: int) -> SampledBatch:
-        arrays: Dict[str, np.ndarray] = {name: self._data[name][slots] for name in SEGMENT_ARRAYS}
+        parts = {name: self._data[name].parts(slots) for name in SEGMENT_ARRAYS}
+        extra: Dict[str, np.ndarray] = {}
         fo_parts, fa_parts = [], []
         for b, s in enumerate(slots):
             fa = self._final_at[s]
@@ -339,13 +467,13 @@ class Store:
                 fa_parts.append(np.concatenate([np.full((len(fa), 1), b, dtype=np.int32), fa], axis=1))
                 fo_parts.append(self._final_obs[s])
         if fo_parts:
-            arrays["final_obs"] = np.concatenate(fo_parts, axis=0).astype(np.float32, copy=False)
-            arrays["final_at"] = np.concatenate(fa_parts, axis=0).astype(np.int32, copy=False)
+            extra["final_obs"] = np.concatenate(fo_parts, axis=0).astype(np.float32, copy=False)
+            extra["final_at"] = np.concatenate(fa_parts, axis=0).astype(np.int32, copy=False)
         else:
-            arrays["final_obs"] = np.zeros((0,) + tuple(self.spec.obs_shape), dtype=np.float32)
-            arrays["final_at"] = np.zeros((0, 3), dtype=np.int32)
-        arrays["is_weight"] = is_weight
-        hist = lag_buckets(learner_version - arrays["policy_version"], weight=int(self.N or 1))
+            extra["final_obs"] = np.zeros((0,) + tuple(self.spec.obs_shape), dtype=np.float32)
+            extra["final_at"] = np.zeros((0, 3), dtype=np.int32)
+        extra["is_weight"] = is_weight
+        hist = lag_buckets(learner_version - np.stack(parts["policy_version"]), weight=int(self.N or 1))
         for b, c in hist.items():
             self.lag_hist[b] += c
         episodes: List[Dict[str, Any]] = []
@@ -353,7 +481,8 @@ class Store:
             if self._uses[s] == 0:
                 episodes.extend(self._episodes[s])
         batch = SampledBatch(
-            arrays=arrays,
+            parts=parts,
+            extra=extra,
             keys=[int(self._key[s]) for s in slots],
             workers=[self._workers[s] for s in slots],
             seqs=[self._seqs[s] for s in slots],

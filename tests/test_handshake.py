@@ -1,0 +1,173 @@
+"""Identity handshake: hello -> welcome | refused on the broker's serve socket, both sides log why."""
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+import time
+from typing import Any, Dict, List
+
+import pytest
+import structlog
+import zmq
+from test_broker import SPEC, Worker, start_broker, with_header  # noqa: F401 (fixture)
+
+from zclaw import __version__
+from zclaw.stopping import EXIT_REFUSED
+from zclaw.wire import EnvSpec, make
+from zclaw.worker.session import BrokerSession, Refused
+
+OTHER = EnvSpec("test:Other-v0", (3,), (1,), (-2.0,), (2.0,))
+
+
+def hello(spec: Any, role: str = "worker", identity: str = "w9-test") -> List[Any]:
+    return make("hello", role=role, identity=identity, host="testhost", pid=4242, zclaw=__version__,
+                spec=spec.to_dict() if spec is not None else None)
+
+
+def test_broker_welcomes_its_spec_and_refuses_others_with_the_reason(start_broker) -> None:
+    broker = start_broker()
+    w = broker.request(hello(SPEC, identity="w0-a"))
+    assert w.kind == "welcome" and w["spec"] == SPEC.to_dict() and w["role"] == "broker"
+    assert w["identity"].startswith("broker-") and w["pid"] == broker.proc.pid
+    assert broker.status()["workers"]["w0-a"]["pid"] == 4242, "the hello registers the worker"
+
+    r = broker.request(hello(OTHER, identity="w1-b"))
+    assert r.kind == "refused" and r["cause"] == "bad_spec"
+    assert OTHER.hash in r["reason"] and SPEC.hash in r["reason"]
+    r = broker.request(hello(None, identity="w2-c"))
+    assert r.kind == "refused" and r["cause"] == "no_spec"
+    r = broker.request(with_header(hello(SPEC), v=2))  # another protocol version
+    assert r.kind == "refused" and r["cause"] == "bad_version" and "v1" in r["reason"]
+    learner = broker.request(hello(None, role="learner", identity="learner-x"))
+    assert learner.kind == "welcome" and learner["spec"] == SPEC.to_dict()
+
+    rep = broker.status()
+    assert rep["refused"] == {"bad_spec": 1, "no_spec": 1, "bad_version": 1}
+    assert "w1-b" not in rep["workers"] and "learner-x" not in rep["workers"]
+    logged = [json.loads(x) for x in broker.output().splitlines() if '"refused"' in x]
+    assert {e["cause"] for e in logged} == {"bad_spec", "no_spec", "bad_version"}
+    assert any(e["client"] == "w1-b" for e in logged)
+    broker.stop()
+
+
+def test_session_handshakes_heartbeats_and_learns_it_was_refused(start_broker) -> None:
+    broker = start_broker()
+    ctx = zmq.Context()
+    log = structlog.get_logger()
+    endpoint = f"tcp://127.0.0.1:{broker.serve_port}"
+    good = BrokerSession(ctx, endpoint, lambda: hello(SPEC, identity="w0-s"), log, spec_hash=SPEC.hash,
+                         interval_s=0.05)
+    welcome = good.handshake(lambda: False)
+    assert welcome is not None and welcome["spec"] == SPEC.to_dict() and good.broker == welcome["identity"]
+    seen = broker.status()["workers"]["w0-s"]["last_seen_s"]
+    deadline = time.monotonic() + 10
+    while good.welcomes < 4:  # heartbeats go out and come back without ever blocking
+        good.tick()
+        time.sleep(0.01)
+        assert time.monotonic() < deadline
+    assert broker.status()["workers"]["w0-s"]["last_seen_s"] <= seen + 0.5
+
+    bad = BrokerSession(ctx, endpoint, lambda: hello(OTHER, identity="w1-s"), log, spec_hash=OTHER.hash)
+    with pytest.raises(Refused) as exc:
+        bad.handshake(lambda: False)
+    assert exc.value.cause == "bad_spec" and exc.value.server == "broker"
+
+    # the broker goes away: the heartbeat gives up on the stuck REQ socket and reconnects (Lazy Pirate)
+    ports = (broker.ingest_port, broker.serve_port)
+    broker.kill()
+    good.timeout_s = 0.2
+    deadline = time.monotonic() + 10
+    while good.missed < 2:
+        good.tick()
+        time.sleep(0.01)
+        assert time.monotonic() < deadline
+    again = start_broker(ports=ports)
+    Worker(again.ctx, again.ingest_port).hello(OTHER)  # the fresh broker adopts another spec first
+    again.wait_for(lambda r: r["spec"] is not None, "adoption")
+    with pytest.raises(Refused) as exc:  # and the next heartbeat tells the running worker
+        deadline = time.monotonic() + 10
+        while time.monotonic() < deadline:
+            good.tick()
+            time.sleep(0.01)
+    assert exc.value.cause == "bad_spec"
+    for s in (good, bad):
+        s.close()
+    ctx.destroy(linger=0)
+
+
+def test_a_real_worker_with_another_env_is_refused_and_exits_3(start_broker, tmp_path) -> None:
+    broker = start_broker()
+    Worker(broker.ctx, broker.ingest_port).hello(SPEC)  # the run's spec: test:Dummy-v0
+    broker.wait_for(lambda r: r["spec"] is not None, "adoption")
+    log = tmp_path / "worker.log"
+    with open(log, "wb") as f:
+        proc = subprocess.run(
+            [sys.executable, "-m", "zclaw.cli", "worker", "--env", "gym:Reacher-v5", "--envs", "1",
+             "--set", f"network.ingest_port={broker.ingest_port}",
+             "--set", f"network.serve_port={broker.serve_port}", "--set", "network.publish_port=1",
+             "--set", "network.learner_port=1", "--set", 'log.format="json"'],
+            stdout=f, stderr=subprocess.STDOUT, timeout=120,
+        )
+    lines: List[Dict[str, Any]] = [json.loads(x) for x in log.read_text().splitlines() if x.startswith("{")]
+    assert proc.returncode == EXIT_REFUSED, log.read_text()[-3000:]
+    err = [e for e in lines if e.get("event") == "refused; exiting"]
+    assert err and err[0]["cause"] == "bad_spec" and SPEC.hash in err[0]["reason"]
+    assert broker.status()["refused"] == {"bad_spec": 1}
+    assert broker.status()["inserted_segments"] == 0
+    broker.stop()
+
+
+def test_learner_refuses_a_snapshot_for_another_spec_and_counts_bad_requests() -> None:
+    from zclaw.learner.server import _Service
+    import threading
+
+    ctx = zmq.Context()
+    stop = threading.Event()
+    svc = _Service(ctx, "127.0.0.1", 0, 1 << 20, structlog.get_logger(), stop)
+    svc.start()
+    assert svc.ready.wait(10) and svc.error is None
+    svc.weights, svc.spec_hash = b"\x00packed weights stand-in", SPEC.hash
+    req = ctx.socket(zmq.REQ)
+    req.connect(f"tcp://127.0.0.1:{svc.bound_port}")
+
+    def ask(frames: List[Any]) -> Any:
+        req.send_multipart(frames)
+        assert req.poll(5000)
+        return req.recv_multipart()
+
+    from zclaw.wire import parse
+
+    reply = parse(ask(make("snapshot", spec_hash=OTHER.hash)))
+    assert reply.kind == "refused" and reply["cause"] == "bad_spec" and OTHER.hash in reply["reason"]
+    assert ask(make("snapshot", spec_hash=SPEC.hash)) == [svc.weights]
+    assert parse(ask([b"\xc1"])).kind == "error"
+    report = parse(ask(make("status")))["report"]
+    assert report["request_drops"] == {"refused_bad_spec": 1, "malformed": 1}
+    assert report["identity"].startswith("learner-")
+    req.close(0)
+    stop.set()
+    svc.join(5)
+    ctx.term()
+
+
+def test_worker_takes_a_lower_version_only_from_a_new_learner_process() -> None:
+    from zclaw import config
+    from zclaw.wire import parse
+    from zclaw.worker.worker import WeightsClient
+
+    ctx = zmq.Context()
+    client = WeightsClient(ctx, config.load(), SPEC, structlog.get_logger())
+
+    def weights(version: int, learner: str) -> Any:
+        return parse(make("weights", version=version, step=0, spec_hash=SPEC.hash, policy={},
+                          learner=learner))
+
+    assert client._accept(weights(20, "learner-a"), -1) is not None and client.learner == "learner-a"
+    assert client._accept(weights(15, "learner-a"), 20) is None, "the same learner never goes back"
+    assert client.drops.as_dict() == {"older_version": 1}
+    assert client._accept(weights(15, "learner-b"), 20) is not None, "a resumed learner's weights win"
+    assert client.learner == "learner-b"
+    assert client._accept(weights(14, "learner-b"), 15) is None
+    client.close()
+    ctx.term()
