@@ -196,3 +196,33 @@ def test_step_before_reset_and_bad_actions_are_refused() -> None:
             env.step(torch.zeros(3, 2))
     finally:
         env.close()
+
+
+# --------------------------------------------------------------------------- the three prefixes
+
+
+def test_every_backend_prefix_is_listed_in_the_unknown_prefix_error() -> None:
+    with pytest.raises(ValueError) as err:
+        make_env("isaaclab:Thing", 1, 0, CPU)
+    for prefix in ("gym:", "isaacgym:", "mjwarp:"):
+        assert prefix in str(err.value)
+
+
+def test_missing_isaacgym_and_mjwarp_say_how_to_install(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setitem(sys.modules, "isaacgym", None)  # "not installed"
+    monkeypatch.delitem(sys.modules, "zclaw.envs.isaacgym_backend", raising=False)
+    with pytest.raises(BackendUnavailable, match=r"isaacgym:.*Isaac Gym Preview 4.*Python 3\.8.*docs/isaacgym\.md"):
+        make_env("isaacgym:Ant", 1, 0, CPU)
+    monkeypatch.setitem(sys.modules, "mujoco_warp", None)
+    monkeypatch.delitem(sys.modules, "zclaw.envs.mjwarp_backend", raising=False)
+    with pytest.raises(BackendUnavailable, match=r"mjwarp:.*pip install 'zclaw\[mjwarp\]'"):
+        make_env("mjwarp:Reach", 1, 0, CPU)
+
+
+def test_preimport_is_torch_free_and_a_noop_for_other_backends() -> None:
+    import subprocess
+
+    code = ("import sys; from zclaw.envs import preimport; preimport('gym:Reacher-v5'); "
+            "assert 'torch' not in sys.modules, 'zclaw.envs.preload must not import torch'")
+    p = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=60)
+    assert p.returncode == 0, p.stderr

@@ -19,7 +19,7 @@ from zclaw import config
 from zclaw.envs import make_env
 from zclaw.policy.networks import OptionPolicy
 from zclaw.policy.weights import policy_config, weights_message
-from zclaw.wire import bind, make_socket, parse, segment_dims
+from zclaw.wire import bind, make, make_socket, parse, segment_dims
 from zclaw.wire.messages import EnvSpec
 
 ENV = "gym:Reacher-v5"
@@ -45,7 +45,8 @@ def spec() -> EnvSpec:
 
 class StandInLearner:
     """Real PUB + ROUTER sockets in a thread: answers ``snapshot`` with the served weights, publishes
-    the newest published version every 100 ms (a SUB that joins late still gets it)."""
+    the newest published version every 100 ms (a SUB that joins late still gets it). The ROUTER also
+    plays the broker's serve socket: it answers the worker's ``hello`` handshake with ``welcome``."""
 
     def __init__(self, ctx: zmq.Context, spec: EnvSpec, version: int, pub_port: int = 0, router_port: int = 0) -> None:
         cfg = config.load()
@@ -54,6 +55,7 @@ class StandInLearner:
         self.served = weights_message(self.model, version, 0, spec.hash)
         self.published: Optional[bytes] = None
         self.snapshots = 0
+        self.hellos = 0
         self.pub = make_socket(ctx, zmq.PUB)
         self.router = make_socket(ctx, zmq.ROUTER)
         self.pub_port = bind(self.pub, "127.0.0.1", pub_port)
@@ -77,6 +79,11 @@ class StandInLearner:
                 if msg.kind == "snapshot":
                     self.snapshots += 1
                     self.router.send_multipart([ident, empty, self.served])
+                elif msg.kind == "hello":
+                    self.hellos += 1
+                    self.router.send_multipart([ident, empty] + make(
+                        "welcome", role="broker", identity="broker-standin", host="h", pid=1, zclaw="0",
+                        spec=msg["spec"]))
             if self.published is not None and time.monotonic() - last_pub > 0.1:
                 self.pub.send(self.published)
                 last_pub = time.monotonic()
@@ -96,6 +103,7 @@ class WorkerProcess:
             sys.executable, "-m", "zclaw.cli", "worker", "--env", ENV, "--envs", str(N),
             "--set", f"worker.segment_length={T}", "--set", f"network.ingest_port={ingest}",
             "--set", f"network.publish_port={publish}", "--set", f"network.learner_port={learner}",
+            "--set", f"network.serve_port={learner}",  # the stand-in learner also answers the broker handshake
             "--set", "log.format=json", *extra,
         ]
         self.proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
@@ -240,7 +248,8 @@ def test_worker_gpu_missing_exits_nonzero() -> None:
 
 
 def test_worker_waits_then_backpressure_then_delivers_in_order(spec: EnvSpec) -> None:
-    """No learner yet: the worker waits (and says so). Learner but no broker: it fills its bounded queue,
+    """No learner (nor broker handshake) yet: the worker waits (and says so). Learner but no broker ingest:
+    it fills its bounded queue,
     blocks and logs backpressure instead of growing. Broker appears: every queued segment arrives, in order."""
     capacity = 3
     ingest = free_port()
@@ -252,7 +261,7 @@ def test_worker_waits_then_backpressure_then_delivers_in_order(spec: EnvSpec) ->
     learner = None
     pull = None
     try:
-        w.wait_event("waiting for learner", 30)
+        w.wait_event("waiting for the broker", 30)
         learner = StandInLearner(ctx, spec, version=3, pub_port=pub_port, router_port=router_port)
 
         bp = w.wait_event("backpressure", 30)

@@ -25,7 +25,7 @@ Data flow::
 """
 from __future__ import annotations
 
-from typing import Any, Dict, List, NamedTuple, Optional
+from typing import Any, Dict, List, NamedTuple, Optional, Union
 
 try:  # Python 3.8 has Protocol in typing; keep the import tolerant for older tooling
     from typing import Protocol
@@ -38,23 +38,39 @@ from .wire.messages import EnvSpec
 
 
 class StepResult(NamedTuple):
-    """What :meth:`BatchedEnv.step` returns, one row per env.
+    """What :meth:`BatchedEnv.step` returns, one row per env, every tensor on the env's device.
 
-    ``obs`` is the observation to act on next (after an automatic reset where an episode ended);
-    ``final_obs`` holds, for envs whose episode was *truncated*, the real last observation the
-    reset replaced (needed to bootstrap); ``episodes`` lists the stats of episodes that ended.
+    ``obs`` is the observation to act on next. ``terminated`` (a real end: no bootstrap) and
+    ``truncated`` (a time limit: bootstrap from the final observation) are kept apart; an env is never
+    both. ``final_obs`` gives the real last observation of *truncated* envs, in one of two forms:
+
+    * a dict ``{env index: [*obs_shape]}`` (CPU backends, which know on the host which envs ended), or
+    * a tensor ``[N, *obs_shape]`` whose rows are valid where ``truncated`` (device backends: knowing
+      the indices would cost a device-to-host copy every step). When it *is* the ``obs`` tensor (the
+      same object), the backend defers its resets (Isaac Gym): the observation after a time-out is
+      still the final one, and the worker reads it from the next row of the segment.
+
+    ``episodes`` lists ``{"return", "length", "success"?}`` for episodes that ended this step; device
+    backends leave it empty and hand the stats out once per segment through ``pop_episodes()``.
+    ``info`` holds optional per-env extras ([N] tensors, e.g. a success flag), passed through untouched.
     """
 
     obs: torch.Tensor  # [N, *obs_shape] float32
     reward: torch.Tensor  # [N] float32
     terminated: torch.Tensor  # [N] bool
     truncated: torch.Tensor  # [N] bool
-    final_obs: Dict[int, torch.Tensor]  # env index -> [*obs_shape], truncated envs only
+    final_obs: Union[Dict[int, torch.Tensor], torch.Tensor]  # see above
     episodes: List[Dict[str, Any]]  # {"return", "length", "success"?}
+    info: Optional[Dict[str, torch.Tensor]] = None
 
 
 class BatchedEnv(Protocol):
-    """N environments stepped together, on the backend's device; they reset themselves."""
+    """N environments stepped together, on the backend's device; they reset themselves.
+
+    ``spec`` gives the observation and action shapes and bounds every role agrees on (its hash is in
+    every segment). Backends whose ``StepResult.episodes`` stays empty also have ``pop_episodes() ->
+    List[Dict]``, which the worker calls once per segment (see ``docs/backends.md``).
+    """
 
     spec: EnvSpec
     num_envs: int

@@ -39,7 +39,8 @@ from gymnasium import spaces
 
 from ..core import StepResult
 from ..wire.messages import EnvSpec
-from .registry import BackendUnavailable
+from . import robotics
+from .preload import BackendUnavailable
 
 Flattener = Callable[[Any, np.ndarray], None]  # (observation, out float32 row) -> fills the row
 
@@ -93,6 +94,7 @@ def flattener(space: spaces.Space) -> Flattener:
 
 
 def _make_one(name: str) -> gym.Env:
+    robotics.prepare(name)  # registers gymnasium-robotics ids, patches its mujoco>=3.12 enum comparison
     try:
         return gym.make(name)
     except gym_error.DependencyNotInstalled as exc:
@@ -101,7 +103,9 @@ def _make_one(name: str) -> gym.Env:
             "for MuJoCo tasks install it with: pip install 'gymnasium[mujoco]>=1.0'"
         ) from exc
     except gym_error.Error as exc:  # NameNotFound, VersionNotFound, NamespaceNotFound, DeprecatedEnv, malformed
-        raise ValueError(f"unknown gym env id {name!r}: {exc}") from exc
+        raise ValueError(
+            f"unknown gym env id {name!r}: {exc} (Fetch and ShadowHand ids need: pip install 'zclaw[robotics]')"
+        ) from exc
 
 
 class GymBatchedEnv:

@@ -3,7 +3,9 @@
 Loop (see ``zclaw/core.py`` for the nouns)::
 
     envs = make_env(run.env, worker.envs, run.seed + 1000 * index, device)   # -> EnvSpec
-    PUSH -> broker ingest: hello (identity, spec) now and every 5 s
+    REQ  -> broker serve: hello (identity, host, pid, spec) -> welcome, or refused: log why, exit 3;
+            then the same hello every 5 s as a heartbeat that never blocks (zclaw/worker/session.py)
+    PUSH -> broker ingest: hello on every (re)connection, ahead of segments
     SUB  <- learner PUB (CONFLATE, subscribed before connecting)
     weights = snapshot request to the learner ROUTER (ZeroMQ guide's Clone pattern: a late SUB misses
               what was published before it joined, so a new worker asks for the current state)
@@ -38,7 +40,11 @@ from ..policy.networks import OptionPolicy
 from ..policy.weights import load_weights, model_from_weights
 from ..wire import DropCounter, LazyPirate, Message, Segment, WireError, make, make_socket, parse, tcp
 from ..wire.messages import EnvSpec
+from ..config import ConfigError
+from ..security import Security
+from ..stopping import EXIT_REFUSED
 from .sender import Sender
+from .session import BrokerSession, Refused
 
 HEARTBEAT_S = 5.0
 WAIT_LOG_S = 5.0
@@ -75,47 +81,88 @@ def worker_seed(base_seed: int, index: int) -> int:
 
 
 class SegmentBuffer:
-    """Preallocated numpy arrays of one segment in wire layout, filled step by step.
+    """Preallocated tensors of one segment in wire layout, on the env's device, filled step by step.
 
-    The arrays are allocated once per worker; :meth:`take` hands out a fresh copy, so a segment that is
-    still waiting in the send queue (sent zero-copy) is never overwritten by the next one.
+    Why on the env's device: a GPU backend (Isaac Gym, MuJoCo Warp) hands out device tensors, and a
+    per-step device-to-host copy would stall the simulator every step. The step loop only writes
+    device tensors into device rows; :meth:`take` copies the whole segment to the host once, when it
+    is encoded, and hands out fresh host arrays, so a segment still waiting in the send queue (sent
+    zero-copy) is never overwritten by the next one. On a CPU backend the same code is one copy per
+    step into the buffer, as before.
     """
 
-    def __init__(self, T: int, N: int, spec: EnvSpec) -> None:
+    def __init__(self, T: int, N: int, spec: EnvSpec, device: Optional[torch.device] = None) -> None:
         self.T, self.N, self.spec = T, N, spec
+        dev = torch.device("cpu") if device is None else torch.device(device)
+        self.device = dev
         A = spec.action_shape
-        self.obs = np.zeros((T + 1, N) + spec.obs_shape, np.float32)
-        self.action = np.zeros((T, N) + A, np.float32)
-        self.reward = np.zeros((T, N), np.float32)
-        self.terminated = np.zeros((T, N), np.bool_)
-        self.truncated = np.zeros((T, N), np.bool_)
-        self.option = np.zeros((T, N), np.int32)
-        self.option_start = np.zeros((T, N), np.bool_)
-        self.logp_action = np.zeros((T, N), np.float32)
-        self.logp_option = np.zeros((T, N), np.float32)
-        self.policy_version = np.zeros((T,), np.int64)
-        self.finals: List[Tuple[int, int, np.ndarray]] = []
+
+        def z(shape: Tuple[int, ...], dtype: torch.dtype) -> torch.Tensor:
+            return torch.zeros(shape, dtype=dtype, device=dev)
+
+        self.obs = z((T + 1, N) + spec.obs_shape, torch.float32)
+        self.action = z((T, N) + A, torch.float32)
+        self.reward = z((T, N), torch.float32)
+        self.terminated = z((T, N), torch.bool)
+        self.truncated = z((T, N), torch.bool)
+        self.option = z((T, N), torch.int32)
+        self.option_start = z((T, N), torch.bool)
+        self.logp_action = z((T, N), torch.float32)
+        self.logp_option = z((T, N), torch.float32)
+        self.policy_version = np.zeros((T,), np.int64)  # known on the host; never touches the device
+        #: sparse final observations of dict-style backends: (t, n, obs) with obs on any device
+        self.finals: List[Tuple[int, int, torch.Tensor]] = []
+        #: dense final observations of device backends, allocated on first use: [T, N, *obs_shape]
+        self.final_dense: Optional[torch.Tensor] = None
+        #: device backends whose obs after a time-out is the final one: finals come from obs[t + 1]
+        self.final_from_next = False
         self.episodes: List[Dict[str, Any]] = []
 
-    def arrays(self) -> Dict[str, np.ndarray]:
+    def record_finals(self, t: int, final_obs: Any, obs: torch.Tensor) -> None:
+        """Keep step ``t``'s final observations in whichever form the backend gave them (see StepResult)."""
+        if isinstance(final_obs, dict):
+            for n, fo in final_obs.items():
+                self.finals.append((t, int(n), fo.reshape(self.spec.obs_shape)))
+        elif final_obs is obs:
+            self.final_from_next = True
+        else:
+            if self.final_dense is None:
+                self.final_dense = torch.zeros(
+                    (self.T, self.N) + self.spec.obs_shape, dtype=torch.float32, device=self.device
+                )
+            self.final_dense[t] = final_obs
+
+    def arrays(self) -> Dict[str, torch.Tensor]:
         return {
             "obs": self.obs, "action": self.action, "reward": self.reward, "terminated": self.terminated,
             "truncated": self.truncated, "option": self.option, "option_start": self.option_start,
             "logp_action": self.logp_action, "logp_option": self.logp_option,
-            "policy_version": self.policy_version,
         }
 
     def take(self) -> Tuple[Dict[str, np.ndarray], List[Dict[str, Any]]]:
-        """Copies of the filled arrays plus the sparse truncation arrays and episode stats; then reset."""
-        out = {k: v.copy() for k, v in self.arrays().items()}
-        if self.finals:
-            out["final_obs"] = np.stack([f for _, _, f in self.finals]).astype(np.float32, copy=False)
-            out["final_at"] = np.array([[t, n] for t, n, _ in self.finals], dtype=np.int32)
+        """Host copies of the filled arrays plus the sparse truncation arrays and episode stats; then reset.
+
+        This is the one place segment data leaves the device.
+        """
+        out: Dict[str, np.ndarray] = {k: v.to("cpu", copy=True).numpy() for k, v in self.arrays().items()}
+        out["policy_version"] = self.policy_version.copy()
+        finals = [(t, n, fo.to("cpu").numpy()) for t, n, fo in self.finals]
+        if self.final_dense is not None or self.final_from_next:
+            at = np.argwhere(out["truncated"])  # row-major: ordered by step, then env
+            src = self.final_dense if self.final_dense is not None else None
+            for t, n in at:
+                row = src[t, n].to("cpu").numpy() if src is not None else out["obs"][t + 1, n]
+                finals.append((int(t), int(n), row))
+            finals.sort(key=lambda f: (f[0], f[1]))
+        if finals:
+            out["final_obs"] = np.stack([f for _, _, f in finals]).astype(np.float32, copy=False)
+            out["final_at"] = np.array([[t, n] for t, n, _ in finals], dtype=np.int32)
         else:
             out["final_obs"] = np.zeros((0,) + self.spec.obs_shape, np.float32)
             out["final_at"] = np.zeros((0, 2), np.int32)
         episodes = self.episodes
         self.finals = []
+        self.final_from_next = False
         self.episodes = []
         return out, episodes
 
@@ -126,12 +173,16 @@ class SegmentBuffer:
 class WeightsClient:
     """The worker's side of weight distribution: SUB for new versions, Clone-pattern snapshot on join."""
 
-    def __init__(self, ctx: zmq.Context, cfg: Dict[str, Dict[str, Any]], spec: EnvSpec, log: Any) -> None:
+    def __init__(
+        self, ctx: zmq.Context, cfg: Dict[str, Dict[str, Any]], spec: EnvSpec, log: Any,
+        security: Optional[Security] = None,
+    ) -> None:
         net = cfg["network"]
         self.spec = spec
         self.log = log
+        sec = security if security is not None else Security.from_config(cfg, "worker", log=log)
         max_bytes = int(net["max_message_mb"]) << 20
-        self.sub = make_socket(ctx, zmq.SUB, max_message_bytes=max_bytes, conflate=True)
+        self.sub = make_socket(ctx, zmq.SUB, max_message_bytes=max_bytes, conflate=True, curve=sec.client("learner"))
         self.sub.setsockopt(zmq.SUBSCRIBE, b"")  # subscribe before connecting, or the first messages are lost
         self.sub.connect(tcp(net["learner_host"], net["publish_port"]))
         self.pirate = LazyPirate(
@@ -140,8 +191,11 @@ class WeightsClient:
             timeout_ms=min(int(net["request_timeout_ms"]), 1000),
             retries=0,
             max_message_bytes=max_bytes,
+            curve=sec.client("learner"),
         )
         self.drops = DropCounter(log, "weights")
+        #: the learner process whose weights we act on (the ``learner`` field of its weights)
+        self.learner: Optional[str] = None
 
     def _accept(self, msg: Message, current: int) -> Optional[Message]:
         if msg.kind != "weights":
@@ -150,11 +204,21 @@ class WeightsClient:
         if msg["spec_hash"] != self.spec.hash:
             self.drops.drop("bad_spec", f"weights for spec {msg['spec_hash']}, worker runs {self.spec.hash}")
             return None
-        if msg["version"] < current:  # a learner restarted without --resume: say so, keep acting
+        src = msg.get("learner")
+        if src is not None and self.learner is not None and src != self.learner:
+            # another learner process: one resumed (--resume) from a checkpoint older than the weights we
+            # act on, after a crash. Its version counter is the run's now, even if lower than ours.
+            self.log.info("new learner process; acting on its weights", learner=src, previous=self.learner,
+                          version=msg["version"], was=current)
+            self.learner = src
+            return msg
+        if msg["version"] < current:  # the same learner never goes back; a stale duplicate
             self.drops.drop("older_version", f"weights version {msg['version']} < current {current}")
             return None
         if msg["version"] == current:  # the same weights again (republished, or snapshot after PUB)
             return None
+        if src is not None:
+            self.learner = src
         return msg
 
     def poll(self, current: int) -> Optional[Message]:
@@ -190,7 +254,9 @@ class WeightsClient:
             msg = self.poll(-1)
             if msg is not None:
                 return msg
-            reply = self.pirate.request(request, kinds=("weights", "retry", "error"), stop=stop)
+            reply = self.pirate.request(request, kinds=("weights", "retry", "error", "refused"), stop=stop)
+            if reply is not None and reply.kind == "refused":
+                raise Refused("learner", reply["cause"], reply["reason"])
             if reply is not None and reply.kind == "weights":
                 msg = self._accept(reply, -1)
                 if msg is not None:
@@ -233,10 +299,13 @@ class Worker:
         device: torch.device,
         stop: threading.Event,
         ctx: Optional[zmq.Context] = None,
+        security: Optional[Security] = None,
     ) -> None:
         self.cfg = cfg
         self.log = log
         self.index = index
+        # CURVE keys as worker<index> (None: from cfg; raises ConfigError before any socket exists)
+        self.security = security if security is not None else Security.from_config(cfg, "worker", index, log=log)
         self.env = env
         self.device = device
         self.stop = stop
@@ -247,19 +316,25 @@ class Worker:
         self.ctx = ctx if ctx is not None else zmq.Context()
         self._own_ctx = ctx is None
         net = cfg["network"]
-        push = make_socket(self.ctx, zmq.PUSH, max_message_bytes=int(net["max_message_mb"]) << 20, hwm=PUSH_HWM)
+        push = make_socket(self.ctx, zmq.PUSH, max_message_bytes=int(net["max_message_mb"]) << 20, hwm=PUSH_HWM,
+                           curve=self.security.client("broker"))
         push.setsockopt(zmq.IMMEDIATE, 1)  # queue nothing inside ZeroMQ for a broker that is not connected
         push.connect(tcp(net["broker_host"], net["ingest_port"]))
         self.push = push
         self.sender = Sender(push, int(cfg["worker"]["send_queue"]), log, hello=self._hello_frames)
-        self.weights = WeightsClient(self.ctx, cfg, self.spec, log)
+        self.weights = WeightsClient(self.ctx, cfg, self.spec, log, security=self.security)
+        self.session = BrokerSession(
+            self.ctx, tcp(net["broker_host"], net["serve_port"]), self._hello_frames, log,
+            spec_hash=self.spec.hash, timeout_ms=int(net["request_timeout_ms"]), interval_s=HEARTBEAT_S,
+            curve=self.security.client("broker"),
+        )
         self.model: Optional[OptionPolicy] = None
         self.version = -1
         self.seq = 0
         self.steps = 0
         self.episodes_done = 0
         self.recent_returns: Deque[float] = deque(maxlen=100)
-        self.buf = SegmentBuffer(self.T, self.N, self.spec)
+        self.buf = SegmentBuffer(self.T, self.N, self.spec, getattr(env, "device", device))
         self.low = torch.tensor(self.spec.action_low, dtype=torch.float32, device=device).reshape(self.spec.action_shape)
         self.high = torch.tensor(self.spec.action_high, dtype=torch.float32, device=device).reshape(
             self.spec.action_shape
@@ -276,11 +351,12 @@ class Worker:
         )
 
     def heartbeat(self, force: bool = False) -> None:
-        """Send a ``hello`` if :data:`HEARTBEAT_S` has passed since the last one (or ``force``)."""
-        now = time.monotonic()
-        if force or now - self._last_hello >= HEARTBEAT_S:
+        """The REQ heartbeat to the broker (``hello`` every :data:`HEARTBEAT_S`, answers collected without
+        blocking; raises :class:`Refused`), and with ``force`` a ``hello`` on the PUSH socket too."""
+        if force:
             self.sender.hello()
-            self._last_hello = now
+        self.session.tick()
+        self._last_hello = time.monotonic()
 
     # -- weights -----------------------------------------------------------------------------------
     def apply(self, msg: Message) -> bool:
@@ -326,12 +402,15 @@ class Worker:
             "worker starting", identity=self.identity, env=self.spec.env_id, envs=self.N, T=self.T,
             device=str(self.device), spec_hash=self.spec.hash,
         )
-        self.heartbeat(force=True)
+        self.sender.hello()
+        if self.session.handshake(self.stop.is_set) is None:  # refused: raises Refused
+            return 0
         if not self.wait_for_weights():
             return 0
         stop = self.stop
         env, buf, T, N = self.env, self.buf, self.T, self.N
         obs = env.reset()
+        pop_episodes = getattr(env, "pop_episodes", None)  # device backends hand out episode stats per segment
         prev_option = torch.zeros(N, dtype=torch.long, device=self.device)
         episode_start = torch.ones(N, dtype=torch.bool, device=self.device)
         made = 0
@@ -342,8 +421,7 @@ class Worker:
             while t < T:
                 if stop.is_set():
                     break
-                if time.monotonic() - self._last_hello >= HEARTBEAT_S:
-                    self.heartbeat()
+                self.heartbeat()  # a clock read and a zero-timeout poll; sends every HEARTBEAT_S
                 if self.sender.queued:  # the broker was slow: hand it what waits as soon as it takes it
                     self.sender.pump()
                 newer = self.weights.poll(self.version)
@@ -352,32 +430,35 @@ class Worker:
                 assert self.model is not None
                 out = self.model.act(obs, prev_option, episode_start)
                 action = out["action"]
+                # device rows only: nothing leaves the env's device until buf.take() (see SegmentBuffer);
+                # obs is copied before the step, so a backend may hand out one buffer it updates in place
+                buf.obs[t] = obs
                 res = env.step(torch.max(torch.min(action, self.high), self.low))
-                buf.obs[t] = obs.cpu().numpy()
-                buf.action[t] = action.cpu().numpy()
-                buf.reward[t] = res.reward.cpu().numpy()
-                buf.terminated[t] = res.terminated.cpu().numpy()
-                buf.truncated[t] = res.truncated.cpu().numpy()
-                buf.option[t] = out["option"].cpu().numpy()
-                buf.option_start[t] = out["option_start"].cpu().numpy()
-                buf.logp_action[t] = out["logp_action"].cpu().numpy()
-                buf.logp_option[t] = out["logp_option"].cpu().numpy()
+                buf.action[t] = action
+                buf.reward[t] = res.reward
+                buf.terminated[t] = res.terminated
+                buf.truncated[t] = res.truncated
+                buf.option[t] = out["option"]
+                buf.option_start[t] = out["option_start"]
+                buf.logp_action[t] = out["logp_action"]
+                buf.logp_option[t] = out["logp_option"]
                 buf.policy_version[t] = self.version
-                if res.final_obs:
-                    for n, fo in res.final_obs.items():
-                        buf.finals.append((t, int(n), fo.cpu().numpy().reshape(self.spec.obs_shape)))
+                if not isinstance(res.final_obs, dict) or res.final_obs:
+                    buf.record_finals(t, res.final_obs, res.obs)
                 if res.episodes:
                     buf.episodes.extend(res.episodes)
-                    self.episodes_done += len(res.episodes)
-                    self.recent_returns.extend(float(ep["return"]) for ep in res.episodes)
                 episode_start = res.terminated | res.truncated
                 prev_option = out["option"]
                 obs = res.obs
                 t += 1
             if t < T:  # stopped mid-segment: an incomplete segment is not a segment
                 break
-            buf.obs[T] = obs.cpu().numpy()
+            buf.obs[T] = obs
+            if pop_episodes is not None:
+                buf.episodes.extend(pop_episodes())
             arrays, episodes = buf.take()
+            self.episodes_done += len(episodes)
+            self.recent_returns.extend(float(ep["return"]) for ep in episodes)
             segment = Segment(self.identity, self.seq, self.spec.hash, arrays, episodes)
             self.seq += 1
             made += 1
@@ -417,6 +498,7 @@ class Worker:
         left = self.sender.close()
         if unsent:
             self.log.warning("segments left unsent at exit", unsent=len(left), sent=self.sender.sent)
+        self.session.close()
         self.weights.close()
         self.push.close(linger=0)
         if self._own_ctx:
@@ -450,28 +532,41 @@ def main(cfg: Dict[str, Dict[str, Any]], log: Any, index: int) -> int:
         except DeviceError as exc:
             log.error(str(exc))
             return 2
+        try:  # before the envs are built: a missing key is found in a second, not after env start-up
+            security = Security.from_config(cfg, "worker", index, log=log)
+        except ConfigError as exc:
+            log.error("refusing to start", error=str(exc))
+            return 2
         torch.set_num_threads(int(cfg["worker"]["threads"]))
         seed = worker_seed(cfg["run"]["seed"], index)
         torch.manual_seed(seed)
         np.random.seed(seed % (1 << 32))
         try:
-            env = make_env(cfg["run"]["env"], int(cfg["worker"]["envs"]), seed, device)
+            env = make_env(
+                cfg["run"]["env"], int(cfg["worker"]["envs"]), seed, device,
+                vectorize=cfg["worker"]["vectorize"], env_processes=int(cfg["worker"]["env_processes"]),
+            )
         except (ValueError, ImportError) as exc:
             log.error("cannot build the environments", env=cfg["run"]["env"], error=str(exc))
             return 2
         worker = None
+        code = 0
         try:
-            worker = Worker(cfg, log, index, env, device, stop)
+            worker = Worker(cfg, log, index, env, device, stop, security=security)
             worker.run()
+        except Refused as exc:  # a mismatch that retrying cannot fix: say why and exit non-zero
+            log.error("refused; exiting", server=exc.server, cause=exc.cause, reason=exc.reason,
+                      spec_hash=env.spec.hash, exit_code=EXIT_REFUSED)
+            code = EXIT_REFUSED
         finally:
             if worker is not None:
                 worker.close()
             env.close()
         log.info(
             "worker stopped", segments=worker.seq if worker else 0, steps=worker.steps if worker else 0,
-            sent=worker.sender.sent if worker else 0,
+            sent=worker.sender.sent if worker else 0, exit_code=code,
         )
-        return 0
+        return code
     finally:
         for sig, h in previous.items():
             signal.signal(sig, h)
