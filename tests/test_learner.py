@@ -23,6 +23,7 @@ import pytest
 import zmq
 from zmq.utils.monitor import recv_monitor_message
 
+from zclaw.config import defaults
 from zclaw.learner import checkpoint as ckpt
 from zclaw.policy.weights import model_from_weights
 from zclaw.wire import EnvSpec, make, parse
@@ -61,7 +62,7 @@ def synthetic_batch(keys: List[int], rng: np.random.Generator, version: int) -> 
 
 
 class BrokerStandIn(threading.Thread):
-    """A ROUTER on ``port`` answering status and sample; ``up`` cleared = gone (socket closed)."""
+    """A ROUTER on ``port`` answering hello, status and sample; ``up`` cleared = gone (socket closed)."""
 
     def __init__(self, port: int) -> None:
         super().__init__(daemon=True)
@@ -97,10 +98,13 @@ class BrokerStandIn(threading.Thread):
             sock.close(linger=0)
 
     def answer(self, body: list) -> list:
-        msg = parse(body, ("status", "sample"))
+        msg = parse(body, ("status", "sample", "hello"))
         if msg.kind == "status":
             spec = SPEC.to_dict() if self.spec_ready.is_set() else None
             return make("status", report={"role": "broker", "spec": spec}, role="broker")
+        if msg.kind == "hello":  # the learner's handshake: the welcome names the env spec once there is one
+            spec = SPEC.to_dict() if self.spec_ready.is_set() else None
+            return make("welcome", role="broker", identity="broker-standin", host="h", pid=1, zclaw="0", spec=spec)
         with self.lock:
             entry = {k: msg.get(k) for k in ("batch_size", "version", "priority_keys", "priorities")}
             self.requests.append(entry)
@@ -238,7 +242,7 @@ def test_learner_process_publishes_serves_survives_broker_restart_and_resumes(tm
         model = model_from_weights(snap)
         assert model.cfg.obs_dim == 3 and model.cfg.act_dim == 2 and list(model.cfg.hidden) == [16]
         wrong = request(router, make("snapshot", spec_hash="0" * 16), 1.0)
-        assert wrong.kind == "error"
+        assert wrong.kind == "refused" and wrong["cause"] == "bad_spec"  # the worker logs why and exits 3
 
         status = request(router, make("status"), 1.0)
         assert status.kind == "status"
@@ -249,18 +253,19 @@ def test_learner_process_publishes_serves_survives_broker_restart_and_resumes(tm
             assert key in rep, key
         assert rep["role"] == "learner" and rep["spec"] == SPEC.to_dict() and rep["version"] >= 5
         assert rep["updates"] >= 5 and rep["steps_consumed"] == rep["updates"] * B * T * N
-        assert rep["return_mean_100"] == -5.0 and rep["lag_max"] >= 1.0 and "policy_loss" in rep["losses"]
+        assert rep["return_mean_100"] == -5.0 and rep["lag_max"] >= 1.0 and "loss/policy" in rep["losses"]
 
-        # the sample requests carry the version and the priorities of the previous batch
+        # the sample requests carry the version and, once, the priorities of each trained batch: with
+        # learner.prefetch = c requests in flight, request j is sent after the reply to request j - c trained
+        c = defaults()["learner"]["prefetch"]
         with broker.lock:
             reqs = list(broker.requests)
         assert reqs[0]["version"] == 0 and reqs[0]["batch_size"] == B and reqs[0]["priority_keys"] == []
-        last_keys = None
-        for r in reqs:
-            if last_keys is not None:
-                assert r["priority_keys"] == last_keys and len(r["priorities"]) == B
-            if r["answered"] is not None:
-                last_keys = r["answered"]
+        assert all(r["priority_keys"] == [] for r in reqs[:c])
+        for j in range(c, len(reqs)):
+            trained = reqs[j - c]["answered"]
+            assert reqs[j]["priority_keys"] == (trained or []), j
+            assert len(reqs[j]["priorities"]) == (B if trained else 0)
         versions_asked = [r["version"] for r in reqs]
         assert versions_asked == sorted(versions_asked) and versions_asked[-1] >= 5
 

@@ -153,3 +153,52 @@ def test_weighted_mean_and_normalize() -> None:
     n = losses.normalize(torch.tensor([1.0, 2.0, 3.0]))
     close(n, [-1.0, 0.0, 1.0])  # std (unbiased) of 1, 2, 3 is 1
     assert losses.explained_variance(torch.tensor([1.0, 2.0]), torch.tensor([1.0, 2.0])) == pytest.approx(1.0)
+
+
+# -- option-level terms --------------------------------------------------------------------------------
+
+def test_q_returns_and_truncated_is_by_hand() -> None:
+    vs, _ = losses.vtrace(V, BOOT, R, DISC, torch.zeros_like(V), 1.0, 1.0, lam=1.0)
+    # lam = 1: q_t = r_t + gamma v_{t+1}: 1 + .9*5.14 ; 1 + .9*4.6 ; 1 + .9*4
+    close(losses.q_returns(vs, V, BOOT, R, DISC, lam=1.0), [5.626, 5.14, 4.6])
+    # lam = 0: q_t = r_t + gamma V(x_{t+1}) = 1 + .9*2, 1 + .9*3, 1 + .9*4
+    close(losses.q_returns(vs, V, BOOT, R, DISC, lam=0.0), [2.8, 3.7, 4.6])
+    close(losses.truncated_is(torch.log(torch.tensor([0.5, 1.0, 4.0])), 2.0), [0.5, 1.0, 2.0])
+
+
+def test_option_value_and_dac_high_loss_by_hand() -> None:
+    q = torch.tensor([[1.0, 3.0]])
+    close(losses.option_value(q, torch.tensor([[0.25, 0.75]])), [2.5])
+    lp_mu = torch.log(torch.tensor([0.5]))
+    # pi_hat / mu_hat = 0.75 / 0.5 = 1.5 > 1.2 with A = 2 > 0: clipped, -1.2 * 2
+    close(losses.dac_high_loss(torch.log(torch.tensor([0.75])), lp_mu, torch.tensor([2.0]), 0.2), [-2.4])
+
+
+def test_ppoc_master_and_termination_losses_by_hand() -> None:
+    log_pi = torch.log(torch.tensor([0.5, 0.25])).requires_grad_()
+    loss = losses.ppoc_master_loss(log_pi, torch.tensor([2.0, -1.0]), torch.tensor([1.0, 0.5]))
+    close(loss.detach(), [-(2.0 * math.log(0.5)), -(-0.5 * math.log(0.25))])
+    loss.sum().backward()
+    close(log_pi.grad, [-2.0, 0.5])  # d/dlogpi of -w A logpi = -w A
+    beta = torch.tensor([0.2, 0.9], requires_grad=True)
+    term = losses.ppoc_termination_loss(beta, torch.tensor([1.0, 0.0]), torch.tensor([2.0, 0.0]), xi=0.01)
+    close(term.detach(), [0.2 * (1.0 - 2.0 + 0.01), 0.9 * 0.01])
+    term.sum().backward()
+    close(beta.grad, [-0.99, 0.01])  # continuing o_prev is worse than average: push beta up (negative grad)
+
+
+def test_categorical_entropy_distillation_and_masks_by_hand() -> None:
+    close(losses.categorical_entropy(torch.zeros(1, 4)), [math.log(4.0)])
+    close(losses.categorical_entropy(torch.tensor([[0.0, -1e9]])), [0.0])
+    teacher = torch.tensor([[1.0, -1.0]], requires_grad=True)
+    student = torch.tensor([[0.0, 0.0]], requires_grad=True)
+    d = losses.distillation_loss(student, teacher)
+    close(d.detach(), [1.0])  # ((0-1)^2 + (0+1)^2) / 2
+    d.sum().backward()
+    assert teacher.grad is None  # the teacher is a target
+    close(student.grad, [[-1.0, 1.0]])
+    x = torch.tensor([1.0, 2.0, 3.0, 10.0])
+    mask = torch.tensor([True, True, True, False])
+    close(losses.masked_mean(x, mask).reshape(1), [2.0])
+    close(losses.masked_mean(x, mask, torch.tensor([2.0, 0.0, 1.0, 1.0])).reshape(1), [5.0 / 3.0])
+    close(losses.masked_normalize(x, mask), [-1.0, 0.0, 1.0, 0.0])

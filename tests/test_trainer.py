@@ -94,12 +94,12 @@ def test_bandit_moves_the_mean_action_toward_the_best_action() -> None:
     first_value_loss = None
     for version in range(60):
         m = trainer.update(bandit_batch(model, spec, rng), version)
-        first_value_loss = m["value_loss"] if first_value_loss is None else first_value_loss
-        assert np.isfinite(m["policy_loss"]) and m["lag_mean"] == version  # batches were made at version 0
+        first_value_loss = m["loss/value"] if first_value_loss is None else first_value_loss
+        assert np.isfinite(m["loss/policy"]) and m["lag_mean"] == version  # batches were made at version 0
     after = mean_action(model, rng)
     assert abs(after - 0.5) < 0.15, (before, after)
     assert abs(after - 0.5) < abs(before - 0.5) - 0.25
-    assert m["value_loss"] < first_value_loss  # the critic learned the reward level
+    assert m["loss/value"] < first_value_loss  # the critic learned the reward level
 
 
 def test_metrics_and_priorities() -> None:
@@ -116,7 +116,7 @@ def test_metrics_and_priorities() -> None:
     a["policy_version"][1] = [5, 5, 6, 6, 6]
     a["logp_action"][:] = -20.0  # behaviour gave these actions tiny probability: rho = pi/mu >> 1
     m = trainer.update(batch_message(spec, a), version=8)
-    for key in ("policy_loss", "value_loss", "entropy", "approx_kl", "clip_frac", "rho_mean",
+    for key in ("loss/policy", "loss/value", "loss/entropy", "loss/student", "approx_kl", "clip_frac", "rho_mean",
                 "rho_clipped_frac", "lag_mean", "lag_max", "explained_variance"):
         assert isinstance(m[key], float), key
     assert m["lag_max"] == 3.0
@@ -218,7 +218,7 @@ def test_checkpoint_round_trip_restores_outputs_version_and_rng(tmp_path) -> Non
     # ... and the next update is the same one, bit for bit (optimiser moments and RNG restored)
     ckpt.restore(state, fresh, fresh_trainer.optimizer)  # now with the RNG states, right before the update
     m_fresh = fresh_trainer.update(batch, 3)
-    for k in ("policy_loss", "value_loss", "approx_kl"):
+    for k in ("loss/policy", "loss/value", "loss/student", "approx_kl"):
         assert m_fresh[k] == m_orig[k], k
     for p0, p1 in zip(model.parameters(), fresh.parameters()):
         assert torch.equal(p0, p1)

@@ -15,13 +15,13 @@ from __future__ import annotations
 import io
 import os
 import random
-import tempfile
 from pathlib import Path
 from typing import Any, Dict, Mapping, Optional, Union
 
 import numpy as np
 import torch
 
+from ..fileio import atomic_write
 from ..policy.networks import OptionPolicy, PolicyConfig
 
 KEEP = 3
@@ -58,27 +58,7 @@ def set_rng_state(state: Mapping[str, Any]) -> None:
 
 
 def _atomic_write(path: Path, data: bytes) -> None:
-    fd, tmp = tempfile.mkstemp(prefix=f".{path.name}.", suffix=".tmp", dir=str(path.parent))
-    try:
-        with os.fdopen(fd, "wb") as f:
-            f.write(data)
-            f.flush()
-            os.fsync(f.fileno())
-        os.replace(tmp, path)
-    except BaseException:
-        try:
-            os.unlink(tmp)
-        except OSError:
-            pass
-        raise
-    try:  # make the rename itself durable
-        dfd = os.open(str(path.parent), os.O_RDONLY)
-        try:
-            os.fsync(dfd)
-        finally:
-            os.close(dfd)
-    except OSError:
-        pass
+    atomic_write(path, lambda f: f.write(data))
 
 
 def save(

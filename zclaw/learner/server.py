@@ -2,14 +2,15 @@
 
 Sockets (config ``[network]``)::
 
-    REQ  -> broker serve (Lazy Pirate)   status until the env spec is known, then sample / batch
+    REQ  -> broker serve (Lazy Pirate)   hello until the welcome names the env spec, then sample / batch
     PUB  <- publish_port                 every new version, packed single frame (workers use CONFLATE)
     ROUTER <- learner_port               snapshot (ZeroMQ guide's Clone pattern) and status, served from
-                                         a background thread so it answers while the main thread trains
+                                         a background thread so it answers while the main thread trains;
+                                         a snapshot for another env spec is answered ``refused``
 
 Loop, as ``docs`` and every role assume it::
 
-    spec   = status(broker).spec                     # wait until a worker has said hello to the broker
+    spec   = hello(broker) -> welcome.spec           # once a worker said hello (or a snapshot was restored)
     model  = OptionPolicy(spec) or checkpoint        # version 0, or the checkpoint's version (--resume)
     publish(version)
     while not stopped:
@@ -24,8 +25,10 @@ from __future__ import annotations
 
 import json
 import math
+import os
 import random
 import signal
+import socket
 import threading
 import time
 from collections import Counter, deque
@@ -36,13 +39,18 @@ import numpy as np
 import torch
 import zmq
 
-from ..stopping import install_stop_signals
+from ..stopping import EXIT_REFUSED, install_stop_signals
 
-from .. import logs
+from .. import __version__, logs
 from ..policy.networks import OptionPolicy
 from ..policy.weights import policy_config, weights_message
-from ..wire import DropCounter, EnvSpec, LazyPirate, Message, WireError, bind, make, make_socket, parse, tcp
+from ..wire import (
+    CreditPirate, DropCounter, EnvSpec, LazyPirate, Message, WireError, bind, make, make_socket, parse, tcp,
+)
 from ..wire.messages import batch_dims
+from ..wire.sockets import CurveServer, term_context
+from ..config import ConfigError
+from ..security import Security
 from . import checkpoint as ckpt
 from .trainer import Trainer
 
@@ -70,10 +78,12 @@ class _Service(threading.Thread):
     """
 
     def __init__(
-        self, ctx: zmq.Context, host: str, port: int, max_bytes: int, log: Any, stop: threading.Event
+        self, ctx: zmq.Context, host: str, port: int, max_bytes: int, log: Any, stop: threading.Event,
+        curve: Optional[CurveServer] = None,
     ) -> None:
         super().__init__(name="learner-service", daemon=True)
         self.ctx, self.host, self.port, self.max_bytes = ctx, host, port, max_bytes
+        self.curve = curve
         self.log, self.stop = log, stop
         self.weights: Optional[bytes] = None
         self.spec_hash: Optional[str] = None
@@ -83,10 +93,13 @@ class _Service(threading.Thread):
         self.error: Optional[str] = None
         self.bound_port: Optional[int] = None
         self.drops = DropCounter(log, "learner requests")
+        self.refused: Counter = Counter()
+        #: this learner process; in every weights message, so workers tell a restarted learner apart
+        self.identity = f"learner-{socket.gethostname()}-{os.getpid()}-{int(time.time())}"
         self.served = Counter()
 
     def run(self) -> None:
-        sock = make_socket(self.ctx, zmq.ROUTER, max_message_bytes=self.max_bytes)
+        sock = make_socket(self.ctx, zmq.ROUTER, max_message_bytes=self.max_bytes, curve=self.curve)
         try:
             self.bound_port = bind(sock, self.host, self.port)
         except zmq.ZMQError as exc:
@@ -120,13 +133,18 @@ class _Service(threading.Thread):
         if msg.kind == "status":
             report = dict(self.report)
             report["uptime_s"] = round(time.monotonic() - self.started, 3)
+            report["request_drops"] = self.drops.as_dict()  # what this ROUTER dropped, by cause
+            report["identity"] = self.identity
             return make("status", report=report, role="learner")
         weights = self.weights
         if weights is None:
             return make("retry", reason="no weights yet", retry_ms=200)
         want = msg.get("spec_hash")
         if want is not None and self.spec_hash is not None and want != self.spec_hash:
-            return make("error", reason=f"spec_hash {want} differs from the learner's {self.spec_hash}")
+            self.refused["bad_spec"] += 1
+            self.drops.drop("refused_bad_spec", f"snapshot for spec {want}")
+            return make("refused", cause="bad_spec",
+                        reason=f"env spec {want} differs from the learner's {self.spec_hash}")
         return [weights]
 
 
@@ -139,12 +157,16 @@ class Learner:
         self.cfg, self.log, self.run_dir, self.stop = cfg, log, Path(run_dir), stop
         self.lcfg = cfg["learner"]
         self.net = cfg["network"]
+        # CURVE keys and the loopback rule first: raises ConfigError before any socket exists
+        self.security = Security.from_config(cfg, "learner", log=log)
+        self.security.check_bind(self._bind_host(self.net["learner_host"]))
         self.ckpt_dir = self.run_dir / "checkpoints"
         self.started = time.monotonic()
         self.ctx = zmq.Context()
         self.pub: Optional[zmq.Socket] = None
         self.service: Optional[_Service] = None
-        self.broker: Optional[LazyPirate] = None
+        self.broker: Optional[LazyPirate] = None  # status and hello: one question, one answer
+        self.batches: Optional[CreditPirate] = None  # sample requests, learner.prefetch of them in flight
         self.writer: Any = None
         self.spec: Optional[EnvSpec] = None
         self.model: Optional[OptionPolicy] = None
@@ -166,6 +188,9 @@ class Learner:
         self.prio_keys: List[Any] = []
         self.prios: List[float] = []
         self.last_metrics: Dict[str, Any] = {}
+        self.refused: Optional[str] = None  # why the broker refused us, if it did
+        self.options: Optional[Dict[str, Any]] = None  # OptionHealth.summary of the latest update
+        self.broker_report: Optional[Dict[str, Any]] = None  # the broker's last status (metrics.jsonl, TB)
 
     # -- setup ------------------------------------------------------------------------------------------
     def _bind_host(self, host: str) -> str:
@@ -175,33 +200,43 @@ class Learner:
         """Bind PUB and start the ROUTER service thread; return an error text if a bind fails."""
         max_bytes = int(self.net["max_message_mb"]) << 20
         host = self._bind_host(self.net["learner_host"])
-        self.pub = make_socket(self.ctx, zmq.PUB, max_message_bytes=max_bytes, hwm=PUB_HWM)
+        self.pub = make_socket(self.ctx, zmq.PUB, max_message_bytes=max_bytes, hwm=PUB_HWM,
+                               curve=self.security.server())
         try:
             bind(self.pub, host, int(self.net["publish_port"]))
         except zmq.ZMQError as exc:
             return f"cannot bind learner PUB on {tcp(host, self.net['publish_port'])}: {exc}"
-        self.service = _Service(self.ctx, host, int(self.net["learner_port"]), max_bytes, self.log, self.stop)
+        self.service = _Service(self.ctx, host, int(self.net["learner_port"]), max_bytes, self.log, self.stop,
+                                curve=self.security.server())
         self.service.start()
         self.service.ready.wait(10)
         if self.service.error:
             return self.service.error
-        self.broker = LazyPirate(
-            self.ctx, tcp(self.net["broker_host"], int(self.net["serve_port"])),
-            timeout_ms=int(self.net["request_timeout_ms"]), retries=None, max_message_bytes=max_bytes,
-            log=self.log,
-        )
+        broker_at = tcp(self.net["broker_host"], int(self.net["serve_port"]))
+        client = dict(timeout_ms=int(self.net["request_timeout_ms"]), retries=None, max_message_bytes=max_bytes,
+                      log=self.log, curve=self.security.client("broker"))
+        self.broker = LazyPirate(self.ctx, broker_at, **client)
+        self.batches = CreditPirate(self.ctx, broker_at, credit=int(self.lcfg["prefetch"]), **client)
         self._report(state="waiting for env spec")
         return None
 
     def wait_for_spec(self) -> Optional[EnvSpec]:
-        """Ask the broker for status until it knows the env spec (a worker said hello); None if stopped."""
+        """Say ``hello`` to the broker until its ``welcome`` names the env spec (a worker said hello, or a
+        snapshot was restored); None if stopped or refused (``self.refused`` says why)."""
         assert self.broker is not None
         last_log = 0.0
+        ident = self.service.identity if self.service is not None else f"learner-{os.getpid()}"
+        hello = make("hello", role="learner", identity=ident, host=socket.gethostname(), pid=os.getpid(),
+                     zclaw=__version__, spec=None)
         while not self.stop.is_set():
-            reply = self.broker.request(make("status"), ("status",), stop=self.stop.is_set)
+            reply = self.broker.request(hello, ("welcome", "refused"), stop=self.stop.is_set)
             if reply is None:
                 return None
-            spec_d = (reply.get("report") or {}).get("spec")
+            if reply.kind == "refused":
+                self.refused = f"{reply['cause']}: {reply['reason']}"
+                self.log.error("refused by the broker", cause=reply["cause"], reason=reply["reason"])
+                return None
+            spec_d = reply["spec"]
             if spec_d:
                 try:
                     return EnvSpec.from_dict(spec_d)
@@ -223,7 +258,7 @@ class Learner:
             ckpt.check_compatible(state, spec.to_dict(), pcfg)
         self.spec = spec
         self.model = OptionPolicy(pcfg)
-        self.trainer = Trainer(self.model, self.lcfg, device)
+        self.trainer = Trainer(self.model, self.lcfg, device, action_low=spec.action_low, action_high=spec.action_high)
         if state is None:
             self.version = 0
         else:
@@ -244,7 +279,8 @@ class Learner:
     def publish(self) -> None:
         """Send the current version on PUB and make it the snapshot the service thread hands out."""
         assert self.model is not None and self.spec is not None and self.version is not None
-        packed = weights_message(self.model, self.version, self.steps_consumed, self.spec.hash)
+        packed = weights_message(self.model, self.version, self.steps_consumed, self.spec.hash,
+                                 learner=self.service.identity if self.service is not None else None)
         if self.service is not None:
             self.service.weights = packed
         if self.pub is not None:
@@ -289,6 +325,7 @@ class Learner:
             "spec": self.spec.to_dict() if self.spec is not None else None,
             "retries": dict(self.retries),
             "drops": self.drops.as_dict(),
+            "options": self.options,
         })
 
     def _report(self, **extra: Any) -> None:
@@ -304,6 +341,8 @@ class Learner:
         self.steps_consumed += steps
         self.updates += 1
         self.last_metrics = metrics
+        if self.trainer is not None:  # option health (usage, duration, ...): report, status line, TB
+            self.options = self.trainer.health_summary()
         self.losses = {k: float(v) for k, v in metrics.items() if k != "priorities" and isinstance(v, float)}
         self.lag_sum += metrics["lag_mean"] * steps
         self.lag_n += steps
@@ -333,6 +372,9 @@ class Learner:
             w.add_scalar("lag/mean", metrics["lag_mean"], g)
             w.add_scalar("lag/max", metrics["lag_max"], g)
             w.add_scalar("version", self.version, g)
+            if self.trainer is not None and self.options is not None:
+                for k, v in self.trainer.health.scalars(self.options).items():
+                    w.add_scalar(k, v, g)
             if batch_returns:
                 w.add_scalar("episode/return", float(np.mean(batch_returns)), g)
             if self.returns:
@@ -343,9 +385,11 @@ class Learner:
                 w.add_scalar("episode/success", float(np.mean(batch_success)), g)
 
     def train_loop(self) -> None:
-        assert self.broker is not None and self.trainer is not None and self.spec is not None
+        assert self.batches is not None and self.trainer is not None and self.spec is not None
         B = int(self.lcfg["batch_segments"])
         status_s = float(self.cfg["log"]["status_s"])
+        metrics_s = float(self.cfg["log"].get("metrics_s", 0.0))
+        last_metrics_line = 0.0
         ckpt_s = float(self.lcfg["checkpoint_s"])
         last_status = last_ckpt = time.monotonic()
         self._rates()
@@ -354,12 +398,16 @@ class Learner:
             if now - last_ckpt >= ckpt_s:
                 self.checkpoint()
                 last_ckpt = now
+            if metrics_s > 0 and now - last_metrics_line >= metrics_s:
+                self.write_metrics(ask_broker=True)
+                last_metrics_line = now
             if now - last_status >= status_s:
                 self.status_line()
                 last_status = now
             request = make("sample", batch_size=B, version=int(self.version), priority_keys=self.prio_keys,
                            priorities=self.prios)
-            reply = self.broker.request(request, ("batch", "retry", "error"), stop=self.stop.is_set)
+            self.prio_keys, self.prios = [], []  # each batch's priorities travel once (prefetch: 2 requests on)
+            reply = self.batches.exchange(request, ("batch", "retry", "error"), stop=self.stop.is_set)
             if reply is None:
                 break  # stopped
             if reply.kind == "retry":
@@ -390,15 +438,70 @@ class Learner:
             self._record(reply, metrics, time.monotonic() - t0)
             self.publish()
 
+    def write_metrics(self, ask_broker: bool) -> None:
+        """Append one line to ``RUN_DIR/metrics.jsonl`` and the broker/worker TensorBoard scalars.
+
+        The line is the learner's report plus the broker's (asked for here, one status round trip every
+        ``log.metrics_s``), so that ``zclaw plot`` and TensorBoard see every role's throughput, the lag
+        histogram and the drops of a run, whoever started its processes. Never raises: records are a
+        by-product and must not stop training.
+        """
+        try:
+            if ask_broker and self.broker is not None:
+                reply = self.broker.request(make("status"), ("status",), stop=self.stop.is_set)
+                if reply is not None and isinstance(reply.get("report"), dict):
+                    self.broker_report = reply["report"]
+            rep = self.report()
+            b = self.broker_report or {}
+            line = {
+                "time": time.time(), "wall_s": rep["uptime_s"], "version": rep["version"],
+                "updates": rep["updates"], "steps_consumed": rep["steps_consumed"],
+                "env_steps": b.get("inserted_steps"), "updates_per_s": rep["updates_per_s"],
+                "learner_steps_per_s": rep["steps_per_s"], "return_mean_100": rep["return_mean_100"],
+                "success_rate_100": rep["success_rate_100"], "episodes": rep["episodes"],
+                "lag_mean": rep["lag_mean"], "lag_max": rep["lag_max"], "losses": rep["losses"],
+                "options": rep.get("options"),
+                "broker": {k: b.get(k) for k in ("fill", "capacity", "insert_rate", "sample_rate", "drops",
+                                                 "lag_hist", "episodes", "return_mean_100")} if b else None,
+                "workers": {k: {"rate": w.get("rate"), "version": w.get("version"), "host": w.get("host")}
+                            for k, w in (b.get("workers") or {}).items()},
+            }
+            with open(self.run_dir / "metrics.jsonl", "a") as f:
+                f.write(json.dumps(_finite(line), sort_keys=True) + "\n")
+            if self.writer is not None and b:
+                g, w = self.steps_consumed, self.writer
+                w.add_scalar("throughput/broker_insert_steps_per_s", float(b.get("insert_rate") or 0.0), g)
+                w.add_scalar("throughput/broker_sample_segments_per_s", float(b.get("sample_rate") or 0.0), g)
+                for ident, info in (b.get("workers") or {}).items():
+                    w.add_scalar(f"throughput/worker/{ident}", float(info.get("rate") or 0.0), g)
+                w.add_scalar("broker/fill", float(b.get("fill") or 0), g)
+                for cause, n in (b.get("drops") or {}).items():
+                    w.add_scalar(f"broker/drops/{cause}", float(n), g)
+                hist = b.get("lag_hist") or {}
+                total = float(sum(hist.values())) or 1.0
+                for bucket, n in hist.items():
+                    w.add_scalar(f"lag/share/{bucket}", n / total, g)
+        except Exception as exc:  # a full disk or a broken report must not end the run
+            self.log.warning("cannot write metrics", error=str(exc))
+
     def status_line(self) -> None:
         r = self.report()
         self.log.info(
             "learner status", updates=r["updates"], steps=r["steps_consumed"],
             steps_per_s=round(r["steps_per_s"] or 0.0, 1), updates_per_s=round(r["updates_per_s"] or 0.0, 2),
             return_mean_100=r["return_mean_100"], lag_mean=r["lag_mean"], lag_max=r["lag_max"],
-            policy_loss=self.losses.get("policy_loss"), value_loss=self.losses.get("value_loss"),
+            policy_loss=self.losses.get("loss/policy"), value_loss=self.losses.get("loss/value"),
+            student_loss=self.losses.get("loss/student"),
             approx_kl=self.losses.get("approx_kl"), retries=r["retries"], drops=r["drops"],
         )
+        o = self.options
+        if o is not None and o["K"] > 1:
+            rnd = lambda xs: [None if v is None else round(v, 3) for v in xs]  # noqa: E731
+            self.log.info("option health", usage=rnd(o["usage"]), duration=rnd(o["duration"]),
+                          termination_rate=rnd(o["termination_rate"]), entropy=rnd(o["entropy"]),
+                          distance_min=o["distance_min"])
+            for warning in o["warnings"]:
+                self.log.warning(warning)
 
     def checkpoint(self) -> Optional[Path]:
         if self.model is None or self.trainer is None or self.spec is None:
@@ -424,6 +527,8 @@ class Learner:
         if path is not None:
             self.log.info("final checkpoint", path=str(path), version=self.version)
         rep = self.report()
+        if float(self.cfg["log"].get("metrics_s", 0.0)) > 0:
+            self.write_metrics(ask_broker=False)
         rep["returns_100"] = list(self.returns)
         rep = _finite(rep)
         try:
@@ -438,8 +543,9 @@ class Learner:
         self.stop.set()
         if self.service is not None:
             self.service.join(timeout=5)
-        if self.broker is not None:
-            self.broker.close()
+        for client in (self.broker, self.batches):
+            if client is not None:
+                client.close()
         if self.pub is not None:
             self.pub.close(linger=0)
         if self.writer is not None:
@@ -447,7 +553,7 @@ class Learner:
                 self.writer.close()
             except Exception:  # tensorboard flush problems must not turn a clean exit into a crash
                 pass
-        self.ctx.term()
+        term_context(self.ctx)
 
 
 
@@ -473,7 +579,11 @@ def main(cfg: Dict[str, Dict[str, Any]], log: Any, run_dir: Path, resume: bool) 
         np.random.seed(seed)
         random.seed(seed)
 
-    learner = Learner(cfg, log, run_dir, stop)
+    try:
+        learner = Learner(cfg, log, run_dir, stop)
+    except ConfigError as exc:  # keys that do not load, or an unprotected bind beyond loopback
+        log.error("refusing to start", error=str(exc))
+        return 2
     code = 0
     try:
         err = learner.open_sockets()
@@ -481,7 +591,8 @@ def main(cfg: Dict[str, Dict[str, Any]], log: Any, run_dir: Path, resume: bool) 
             log.error(err)
             return 1
         log.info("learner up", publish=learner.net["publish_port"], serve=learner.net["learner_port"],
-                 broker=learner.broker.endpoint if learner.broker else None, run_dir=str(run_dir))
+                 broker=learner.broker.endpoint if learner.broker else None, run_dir=str(run_dir),
+                 **learner.security.summary())
         if cfg["learner"]["tensorboard"]:
             from torch.utils.tensorboard import SummaryWriter
 
@@ -496,6 +607,8 @@ def main(cfg: Dict[str, Dict[str, Any]], log: Any, run_dir: Path, resume: bool) 
             else:
                 log.info("serving weights", version=learner.version, spec_hash=spec.hash)
                 learner.train_loop()
+        elif learner.refused is not None:
+            code = EXIT_REFUSED
         if code == 0:
             rep = learner.finish()
             log.info("learner stopped", version=rep["version"], updates=rep["updates"],

@@ -1,42 +1,84 @@
-"""One asynchronous-PPO update per batch: V-trace targets from the behaviour log-probs, then PPO-clip.
+"""One asynchronous update per batch: V-trace targets from both levels' behaviour log-probs, then
+PPO-clip on the intra-option policies, the option-level rule (DAC or PPOC), and the student.
 
 The broker hands the learner B segments of T steps x N envs, each produced by whatever policy version
 the worker held (``policy_version[B, T]``). :meth:`Trainer.update`:
 
-1. lays the batch out time-major, ``[T, B*N]`` (column ``b*N + n`` is env n of segment b);
+1. lays the batch out time-major, ``[T, B*N]`` (column ``b*N + n`` is env n of segment b), and
+   reconstructs each step's option context: the previous option o_{t-1} and whether x_t starts an
+   episode (both known inside a segment; at t = 0 only when no option was picked there, otherwise the
+   step is left out of the option-level terms, see :meth:`Trainer.option_context`);
 2. folds the batch's observations into the running normaliser, then normalises (the weights published
    after this update carry the new statistics, so workers and learner agree);
-3. computes once, without gradient, the current critic's values, ``log_rho = log pi - log mu`` and the
-   V-trace targets and advantages (:func:`zclaw.policy.losses.vtrace`), with episode boundaries cut and
-   time-limit truncations bootstrapped from ``V(final_obs)``;
-4. runs ``epochs`` passes of ``minibatches`` random minibatches of PPO-clip + value loss - entropy bonus,
-   each per-sample term weighted by the segment's importance weight (1 outside prioritized mode).
+3. computes once, without gradient, the critic's values ``Q(x_t, o_t)``, the importance ratios of both
+   levels (``log rho = log pi_o(a|s) - log mu_o(a|s) + log pi_hat(o|s, o_prev) - log mu_hat``), the
+   V-trace targets (:func:`zclaw.policy.losses.vtrace`) and the advantages of each level, with episode
+   boundaries cut and time-limit truncations bootstrapped from the value of ``final_obs``;
+4. runs ``epochs`` passes of ``minibatches`` random minibatches of::
 
-With ``options = 1`` this is exactly asynchronous PPO. With K > 1 the intra-option policy of the option
-in effect is trained the same way against ``Q(s, o_t)``; the master and termination heads are not
-trained here yet.
+       loss = L^L (PPO-clip, intra-option)  +  vf_coef L^V  -  ent_coef H(pi_o)
+            + master_coef L^H (dac: PPO-clip on pi_hat | ppoc: master PG on option starts)
+            + termination_coef L^beta (ppoc only)  -  master_ent_coef H(pi_Omega)
+
+   each per-sample term weighted by the segment's importance weight (1 outside prioritized mode)
+   and, with ``option_weights``, by the per-option weight; the student learns from
+   :func:`~zclaw.policy.losses.distillation_loss` on the same minibatch, in its own Adam parameter
+   group (fixed ``student_lr``, own moments; the gradient clip covers the main parameters only).
+
+With ``options = 1`` every option-level term is absent (pi_hat = 1, log-probs 0) and this is exactly
+asynchronous PPO: the same losses, gradients and optimiser steps (``tests/test_options.py``).
+
+Metric names (TensorBoard ``learner/<name>``; stable, other tools read them): ``loss/policy``,
+``loss/value``, ``loss/entropy``, ``loss/master``, ``loss/termination``, ``loss/master_entropy``,
+``loss/student``, ``loss/total``, ``approx_kl``, ``clip_frac``, ``rho_mean``, ``rho_clipped_frac``,
+``rho_option_mean``, ``lag_mean``, ``lag_max``, ``lag/option/<o>``, ``explained_variance``, ...
 """
 from __future__ import annotations
 
-from typing import Any, Dict, Mapping, Tuple
+from typing import Any, Dict, Mapping, Optional, Sequence, Tuple
 
 import numpy as np
 import torch
 
 from ..policy import losses
+from ..policy.health import OptionHealth
 from ..policy.networks import OptionPolicy
 from ..wire import Message
 
+LOSS_KEYS = ("loss/policy", "loss/value", "loss/entropy", "loss/master", "loss/termination",
+             "loss/master_entropy", "loss/student", "loss/total", "approx_kl", "clip_frac", "grad_norm")
+
 
 class Trainer:
-    """Owns the optimiser of an :class:`OptionPolicy` and turns batches into updates."""
+    """Owns the optimiser of an :class:`OptionPolicy` (main and student parameter groups) and turns batches into updates."""
 
-    def __init__(self, model: OptionPolicy, learner_cfg: Mapping[str, Any], device: Any = "cpu") -> None:
+    def __init__(
+        self, model: OptionPolicy, learner_cfg: Mapping[str, Any], device: Any = "cpu",
+        action_low: Optional[Sequence[float]] = None, action_high: Optional[Sequence[float]] = None,
+    ) -> None:
         self.cfg = dict(learner_cfg)
         self.device = torch.device(device)
         self.model = model.to(self.device)
-        self.optimizer = torch.optim.Adam(self.model.parameters(), lr=float(self.cfg["lr"]), eps=1e-5)
+        student = set(id(p) for p in self.student_parameters())
+        self.main_params = [p for p in self.model.parameters() if id(p) not in student]
+        self.student_lr = float(self.cfg.get("student_lr", 0.0))
+        # one Adam, two parameter groups: the student's group has its own fixed learning rate and (as
+        # Adam's state is per parameter) its own moments, so it is an optimiser of its own that a
+        # checkpoint saves and restores together with the main one
+        self.optimizer = torch.optim.Adam(
+            [{"params": self.main_params, "lr": float(self.cfg["lr"])},
+             {"params": self.student_parameters(), "lr": self.student_lr}], eps=1e-5)
+        self.mode = str(self.cfg.get("mode", "dac"))
+        if self.mode not in ("dac", "ppoc"):
+            raise ValueError(f"learner.mode = {self.mode!r} is not allowed: expected 'dac' or 'ppoc'")
+        self.low = torch.as_tensor(action_low, dtype=torch.float32, device=self.device) if action_low is not None else None
+        self.high = torch.as_tensor(action_high, dtype=torch.float32, device=self.device) if action_high is not None else None
+        self.health = OptionHealth(model.K, collapse_duration=float(self.cfg.get("health_collapse_duration", 1.5)),
+                                   dominant_share=float(self.cfg.get("health_dominant_share", 0.95)))
         self.skipped_steps = 0  # optimiser steps skipped because the loss or gradient was not finite
+
+    def student_parameters(self) -> list:
+        return list(self.model.student.parameters()) + [self.model.student_log_std]
 
     # -- layout ---------------------------------------------------------------------------------------
     def _tensor(self, arr: np.ndarray, dtype: torch.dtype = torch.float32) -> torch.Tensor:
@@ -48,77 +90,146 @@ class Trainer:
         B, T, N = x.shape[:3]
         return x.transpose(0, 1).reshape((T, B * N) + tuple(x.shape[3:]))
 
+    @staticmethod
+    def option_context(
+        option: torch.Tensor, option_start: torch.Tensor, done: torch.Tensor
+    ) -> Tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """Each step's (o_{t-1}, episode start at x_t, choice known), all [T, C], from one segment's rows.
+
+        For t >= 1: o_{t-1} = option[t-1] and x_t starts an episode iff step t-1 ended one. For t = 0
+        the segment does not say what came before: if no option was picked there (``option_start[0]``
+        false) the option simply continued, so o_{-1} = o_0 and it is no episode start; otherwise the
+        choice at t = 0 is unknown (``choice_known`` false) and the option-level terms skip it.
+        """
+        prev = torch.cat([option[:1], option[:-1]], 0)
+        ep_start = torch.cat([option_start[:1], done[:-1]], 0)
+        known = torch.ones_like(option_start)
+        known[0] = ~option_start[0]
+        return prev, ep_start, known
+
     def _values(self, x: torch.Tensor, option: torch.Tensor) -> torch.Tensor:
         """The critic's value of the option in effect: Q(s, o) (for K = 1, option 0's Q, i.e. V(s))."""
         q = self.model.q(x)
         return q.gather(-1, option.unsqueeze(-1)).squeeze(-1)
 
+    def _arrival_values(self, x: torch.Tensor, prev: torch.Tensor, ep_start: torch.Tensor) -> torch.Tensor:
+        """U(x, o_prev) = sum_o pi_hat(o|x, o_prev) Q(x, o): the value of arriving in x with o_prev running."""
+        if self.model.K == 1:
+            return self._values(x, prev)
+        pi_hat = self.model.call_and_return_logits(x, prev, ep_start).exp()
+        return losses.option_value(self.model.q(x), pi_hat)
+
     def _logp(
         self, x: torch.Tensor, option: torch.Tensor, action: torch.Tensor
     ) -> Tuple[torch.Tensor, torch.Tensor]:
         """log pi_o(a|s) of the executing option, and that option's log std (for the entropy)."""
-        mean_all = self.model.action_mean(x)  # [..., K, A]
-        idx = option.reshape(option.shape + (1, 1)).expand(option.shape + (1, self.model.A))
-        mean = mean_all.gather(-2, idx).squeeze(-2)
+        mean = self.model.option_mean(x, option)
         log_std = self.model.log_std[option]
         return self.model.gaussian_logp(action, mean, log_std), log_std
+
+    def _logp_option(self, x: torch.Tensor, prev: torch.Tensor, ep_start: torch.Tensor, option: torch.Tensor) -> torch.Tensor:
+        """log pi_hat(o_t | x_t, o_{t-1}) (0 for K = 1)."""
+        logits = self.model.call_and_return_logits(x, prev, ep_start)
+        return logits.gather(-1, option.unsqueeze(-1)).squeeze(-1)
 
     # -- targets ----------------------------------------------------------------------------------------
     @torch.no_grad()
     def prepare(self, batch: Message, version: int, update_norm: bool = True) -> Dict[str, Any]:
-        """Lay the batch out time-major and compute, once and without gradient, the V-trace targets.
+        """Lay the batch out time-major and compute, once and without gradient, targets and advantages.
 
         Returns time-major tensors ``[T, B*N, ...]`` (column ``b*N + n``): ``x`` (normalised obs, T+1
-        rows), ``action``, ``option``, ``logp_mu``, ``weight``, ``values``, ``rewards`` and ``discounts``
-        (after :func:`~zclaw.policy.losses.episode_boundaries`), ``log_rhos``, ``vs``, ``adv``; plus
-        ``lag`` (numpy, per step and segment) and ``priorities`` [B] (mean |advantage| per segment).
+        rows), ``action``, ``option``, ``prev_option``, ``ep_start``, ``known`` (option context, see
+        :meth:`option_context`), ``option_start``, ``logp_mu``, ``logp_mu_option``, ``weight``,
+        ``values`` (Q(x_t, o_t)), ``rewards`` and ``discounts`` (after
+        :func:`~zclaw.policy.losses.episode_boundaries` and the deliberation cost), ``log_rhos``
+        (both levels), ``log_rho_option``, ``vs``, ``q_ret``, ``adv`` (intra-option), ``adv_high``
+        (DAC: q - V^H(s, o_prev)), ``adv_master`` (PPOC: q - V(s)), ``q_prev`` and ``v`` (PPOC's
+        termination inputs Q(x_t, o_{t-1}) and V(x_t), x_t being the s' of step t-1); plus ``lag`` (numpy [B, T]) and ``priorities`` [B].
         """
         c = self.cfg
         a = batch.arrays
         B, T, N = a["action"].shape[:3]
         gamma = float(c["gamma"])
+        rho_bar = float(c["rho_bar"])
         model = self.model
+        K = model.K
         D = model.cfg.obs_dim
 
         obs = self._tensor(a["obs"]).reshape(B, T + 1, N, D)
         if update_norm:
             model.obs_norm.update(obs[:, :T])  # every step once (row T is the next segment's row 0)
-        x = model.obs_norm(self._time_major(obs))  # [T+1, BN, D]
+        raw = self._time_major(obs)  # [T+1, BN, D]
+        x = model.obs_norm(raw)
         action = self._time_major(self._tensor(a["action"]).reshape(B, T, N, model.A))
         reward = self._time_major(self._tensor(a["reward"]))
         terminated = self._time_major(self._tensor(a["terminated"], torch.bool))
         truncated = self._time_major(self._tensor(a["truncated"], torch.bool))
-        option = self._time_major(self._tensor(a["option"], torch.long)).clamp(0, model.K - 1)
+        option = self._time_major(self._tensor(a["option"], torch.long)).clamp(0, K - 1)
+        option_start = self._time_major(self._tensor(a["option_start"], torch.bool))
         logp_mu = self._time_major(self._tensor(a["logp_action"]))
+        logp_mu_option = self._time_major(self._tensor(a["logp_option"]))
         weight = self._tensor(a["is_weight"]).repeat_interleave(N).unsqueeze(0).expand(T, B * N)
         lag = int(version) - a["policy_version"].astype(np.int64)  # [B, T]
+        done = terminated | truncated
+        prev, ep_start, known = self.option_context(option, option_start, done)
+        self.health.update(option, option_start, prev, known, ep_start, raw[:T])
 
-        values = self._values(x[:T], option)  # V(x_t) = Q(x_t, o_t)
-        # the option in effect continues into x_T unless it terminates: Q(x_T, o_{T-1}) bootstraps
-        bootstrap = self._values(x[T], option[T - 1])
+        # deliberation cost (Harb et al. 2018): a price on every switch that is not an episode start
+        delib = float(c.get("deliberation_cost", 0.0))
+        if K > 1 and delib > 0:
+            reward = reward - delib * (option_start & known & ~ep_start).to(reward.dtype)
+
+        values = self._values(x[:T], option)  # Q(x_t, o_t)
+        # x_T is reached with o_{T-1} running: bootstrap from U(x_T, o_{T-1}) (for K = 1, V(x_T))
+        bootstrap = self._arrival_values(x[T], option[T - 1], done[T - 1])
         logp_pi, _ = self._logp(x[:T], option, action)
-        log_rhos = logp_pi - logp_mu
+        log_rho_action = logp_pi - logp_mu
+        if K > 1:
+            log_rho_option = torch.where(known, self._logp_option(x[:T], prev, ep_start, option) - logp_mu_option,
+                                         torch.zeros_like(logp_mu_option))
+        else:
+            log_rho_option = torch.zeros_like(log_rho_action)
+        log_rhos = log_rho_action + log_rho_option
 
-        # V(final_obs) at the truncated steps, which carry it sparsely as final_at rows (b, t, n)
+        # value of final_obs at the truncated steps (carried sparsely as final_at rows (b, t, n)): the
+        # episode would have gone on with o_t running, so U(final_obs, o_t)
         final_values = torch.zeros_like(reward)
         fa = np.asarray(a["final_at"], dtype=np.int64)
         if fa.shape[0]:
             fb, ft, fn = (torch.as_tensor(fa[:, i], device=self.device) for i in range(3))
             col = fb * N + fn
             fx = model.obs_norm(self._tensor(a["final_obs"]).reshape(-1, D))
-            final_values[ft, col] = self._values(fx, option[ft, col])
+            final_values[ft, col] = self._arrival_values(fx, option[ft, col], torch.zeros_like(col, dtype=torch.bool))
         rewards, discounts = losses.episode_boundaries(reward, terminated, truncated, gamma, final_values)
 
-        vs, adv = losses.vtrace(
-            values, bootstrap, rewards, discounts, log_rhos,
-            rho_bar=float(c["rho_bar"]), c_bar=float(c["c_bar"]), lam=float(c["lam"]),
-        )
-        return {
-            "x": x, "action": action, "option": option, "logp_mu": logp_mu, "weight": weight,
-            "values": values, "bootstrap": bootstrap, "final_values": final_values, "rewards": rewards,
-            "discounts": discounts, "log_rhos": log_rhos, "vs": vs, "adv": adv, "lag": lag,
+        lam = float(c["lam"])
+        vs, _ = losses.vtrace(values, bootstrap, rewards, discounts, log_rhos,
+                              rho_bar=rho_bar, c_bar=float(c["c_bar"]), lam=lam)
+        q_ret = losses.q_returns(vs, values, bootstrap, rewards, discounts, lam)
+        # low MDP: the option o_t is given, only the action's ratio weighs its advantage
+        adv = losses.truncated_is(log_rho_action, rho_bar) * (q_ret - values)
+        out: Dict[str, Any] = {
+            "x": x, "action": action, "option": option, "prev_option": prev, "ep_start": ep_start,
+            "known": known, "option_start": option_start, "logp_mu": logp_mu, "logp_mu_option": logp_mu_option,
+            "weight": weight, "values": values, "bootstrap": bootstrap, "final_values": final_values,
+            "rewards": rewards, "discounts": discounts, "log_rhos": log_rhos, "log_rho_option": log_rho_option,
+            "vs": vs, "q_ret": q_ret, "adv": adv, "lag": lag,
             "priorities": adv.abs().reshape(T, B, N).mean(dim=(0, 2)),
         }
+        zeros = torch.zeros_like(values)
+        out["adv_high"], out["adv_master"], out["q_prev"], out["v"] = zeros, zeros, zeros, zeros
+        if K > 1:
+            q_all = model.q(x[:T])
+            rho_joint = losses.truncated_is(log_rhos, rho_bar)
+            if self.mode == "dac":
+                pi_hat = model.call_and_return_logits(x[:T], prev, ep_start).exp()
+                out["adv_high"] = rho_joint * (q_ret - losses.option_value(q_all, pi_hat))  # q - V^H(s, o_prev)
+            else:
+                v = losses.option_value(q_all, torch.softmax(model.master_logits(x[:T]), -1))  # V(s)
+                out["adv_master"] = rho_joint * (q_ret - v)
+                out["q_prev"] = q_all.gather(-1, prev.unsqueeze(-1)).squeeze(-1)  # Q(s', o_prev)
+                out["v"] = v  # V(s')
+        return out
 
     # -- the update -----------------------------------------------------------------------------------
     def update(self, batch: Message, version: int) -> Dict[str, Any]:
@@ -130,40 +241,48 @@ class Trainer:
         """
         c = self.cfg
         model = self.model
+        K = model.K
         p = self.prepare(batch, version)
         T = p["values"].shape[0]
         S = p["values"].numel()
-        flat = {
-            "x": p["x"][:T].reshape(S, model.cfg.obs_dim),
-            "action": p["action"].reshape(S, model.A),
-            "option": p["option"].reshape(S),
-            "logp_mu": p["logp_mu"].reshape(S),
-            "adv": p["adv"].reshape(S),
-            "vs": p["vs"].reshape(S),
-            "w": p["weight"].reshape(S),
-        }
+        keys = ("action", "option", "prev_option", "ep_start", "known", "option_start", "logp_mu",
+                "logp_mu_option", "adv", "vs", "adv_high", "adv_master", "q_prev", "v", "log_rho_option")
+        flat = {k: p[k].reshape((S,) + tuple(p[k].shape[2:])) for k in keys}
+        flat["x"] = p["x"][:T].reshape(S, model.cfg.obs_dim)
+        flat["w"] = p["weight"].reshape(S)
+        if K > 1 and bool(c.get("option_weights", False)):
+            flat["w_opt"] = losses.option_loss_weights(flat["option"], K, float(c.get("option_max_weight", 10.0)))
         n_mb = max(1, min(int(c["minibatches"]), S))
         clip = float(c["clip"])
-        sums: Dict[str, float] = {"policy_loss": 0.0, "value_loss": 0.0, "entropy": 0.0, "approx_kl": 0.0,
-                                  "clip_frac": 0.0, "loss": 0.0, "grad_norm": 0.0}
+        rho_bar = float(c["rho_bar"])
+        sums: Dict[str, float] = {k: 0.0 for k in LOSS_KEYS}
         count = 0
         model.train()
         for _ in range(int(c["epochs"])):
             perm = torch.randperm(S, device=self.device)
             for idx in torch.chunk(perm, n_mb):
                 mb = {k: v[idx] for k, v in flat.items()}
+                w = mb["w"]
+                w_low = w * mb["w_opt"] if "w_opt" in mb else w
                 adv = losses.normalize(mb["adv"])
                 logp_new, log_std = self._logp(mb["x"], mb["option"], mb["action"])
                 v_new = self._values(mb["x"], mb["option"])
-                pg = losses.weighted_mean(losses.ppo_clip_loss(logp_new, mb["logp_mu"], adv, clip), mb["w"])
-                vl = losses.weighted_mean(losses.value_loss(v_new, mb["vs"]), mb["w"])
-                ent = losses.weighted_mean(losses.entropy(log_std), mb["w"])
+                pg = losses.weighted_mean(losses.ppo_clip_loss(logp_new, mb["logp_mu"], adv, clip), w_low)
+                vl = losses.weighted_mean(losses.value_loss(v_new, mb["vs"]), w_low)
+                ent = losses.weighted_mean(losses.entropy(log_std), w_low)
                 loss = pg + float(c["vf_coef"]) * vl - float(c["ent_coef"]) * ent
+                terms = {"loss/policy": pg, "loss/value": vl, "loss/entropy": ent}
+                if K > 1:
+                    terms.update(self._option_terms(mb, clip, rho_bar))
+                    loss = (loss + float(c.get("master_coef", 1.0)) * terms["loss/master"]
+                            + float(c.get("termination_coef", 0.0)) * terms["loss/termination"]
+                            - float(c.get("master_ent_coef", 0.0)) * terms["loss/master_entropy"])
 
                 self.optimizer.zero_grad(set_to_none=True)
                 loss.backward()
-                gn = torch.nn.utils.clip_grad_norm_(model.parameters(), float(c["max_grad_norm"]))
-                if not (torch.isfinite(loss) and torch.isfinite(gn)):
+                gn = torch.nn.utils.clip_grad_norm_(self.main_params, float(c["max_grad_norm"]))
+                terms["loss/student"] = self._student_loss(mb)  # its gradient reaches the student only
+                if not (torch.isfinite(loss) and torch.isfinite(gn) and torch.isfinite(terms["loss/student"])):
                     self.skipped_steps += 1  # one poisoned minibatch must not destroy the weights
                     self.optimizer.zero_grad(set_to_none=True)
                     continue
@@ -174,26 +293,84 @@ class Trainer:
                     ratio = log_ratio.exp()
                     sums["approx_kl"] += float(((ratio - 1) - log_ratio).mean())  # k3 estimator, >= 0
                     sums["clip_frac"] += float(((ratio - 1).abs() > clip).float().mean())
-                sums["policy_loss"] += float(pg.detach())
-                sums["value_loss"] += float(vl.detach())
-                sums["entropy"] += float(ent.detach())
-                sums["loss"] += float(loss.detach())
+                for k, v in terms.items():
+                    sums[k] += float(v.detach()) if torch.is_tensor(v) else float(v)
+                sums["loss/total"] += float(loss.detach())
                 sums["grad_norm"] += float(gn)
                 count += 1
 
+        metrics: Dict[str, Any] = {k: (v / count if count else float("nan")) for k, v in sums.items()}
+        metrics.update(self._batch_metrics(p))
+        metrics["priorities"] = [float(v) for v in p["priorities"].cpu()]
+        return metrics
+
+    def _option_terms(self, mb: Dict[str, torch.Tensor], clip: float, rho_bar: float) -> Dict[str, torch.Tensor]:
+        """The option-level losses of one minibatch (K > 1): DAC's or PPOC's, and the master entropy."""
+        model = self.model
+        x, w, known = mb["x"], mb["w"], mb["known"]
+        logits_master = model.master_logits(x)
+        out = {"loss/master_entropy": losses.weighted_mean(losses.categorical_entropy(logits_master), w)}
+        if self.mode == "dac":
+            log_pi_hat = self._logp_option(x, mb["prev_option"], mb["ep_start"], mb["option"])
+            adv_h = losses.masked_normalize(mb["adv_high"], known)
+            hl = losses.dac_high_loss(log_pi_hat, mb["logp_mu_option"], adv_h, clip)
+            out["loss/master"] = losses.masked_mean(hl, known, w)
+            out["loss/termination"] = torch.zeros((), device=x.device)
+        else:
+            picked = mb["option_start"] & known
+            log_pi_omega = torch.log_softmax(logits_master, -1).gather(-1, mb["option"].unsqueeze(-1)).squeeze(-1)
+            adv_m = losses.masked_normalize(mb["adv_master"], picked)
+            w_is = losses.truncated_is(mb["log_rho_option"], rho_bar)
+            out["loss/master"] = losses.masked_mean(losses.ppoc_master_loss(log_pi_omega, adv_m, w_is), picked, w)
+            decision = known & ~mb["ep_start"]  # beta_{o_{t-1}} was consulted at x_t (= s' of step t-1)
+            beta_prev = model.beta(x).gather(-1, mb["prev_option"].unsqueeze(-1)).squeeze(-1)
+            out["loss/termination"] = losses.masked_mean(
+                losses.ppoc_termination_loss(beta_prev, mb["q_prev"], mb["v"], float(self.cfg.get("xi", 0.0))),
+                decision, w)
+        return out
+
+    def _student_loss(self, mb: Dict[str, torch.Tensor]) -> torch.Tensor:
+        """The distillation loss on these states, back-propagated into the student's parameters only:
+        its mean moves toward the executing option's clipped mean (a target, no gradient)."""
+        model = self.model
+        if self.student_lr <= 0:
+            return torch.zeros((), device=mb["x"].device)
+        with torch.no_grad():
+            target = model.option_mean(mb["x"], mb["option"])
+            if self.low is not None and self.high is not None:
+                target = torch.max(torch.min(target, self.high), self.low)
+        sl = losses.weighted_mean(losses.distillation_loss(model.student_mean(mb["x"]), target), mb["w"])
+        sl.backward()
+        return sl.detach()
+
+    def _batch_metrics(self, p: Dict[str, Any]) -> Dict[str, float]:
+        c = self.cfg
         rhos = torch.exp(p["log_rhos"])
         lag = p["lag"]
-        metrics: Dict[str, Any] = {k: (v / count if count else float("nan")) for k, v in sums.items()}
-        metrics.update(
+        m: Dict[str, float] = dict(
             rho_mean=float(rhos.mean()),
             rho_clipped_frac=float((rhos > float(c["rho_bar"])).float().mean()),
+            rho_option_mean=float(torch.exp(p["log_rho_option"]).mean()),
             lag_mean=float(lag.mean()) if lag.size else 0.0,
             lag_max=float(lag.max()) if lag.size else 0.0,
             explained_variance=losses.explained_variance(p["values"], p["vs"]),
             value_mean=float(p["values"].mean()),
             adv_mean=float(p["adv"].mean()),
             skipped_steps=float(self.skipped_steps),
-            steps=float(S),
+            steps=float(p["values"].numel()),
         )
-        metrics["priorities"] = [float(v) for v in p["priorities"].cpu()]
-        return metrics
+        if self.model.K > 1 and lag.size:
+            # per-option lag: every step's lag [B, T] broadcast over its N envs, grouped by option
+            T, BN = p["option"].shape
+            B = lag.shape[0]
+            step_lag = torch.as_tensor(lag.T.copy(), dtype=torch.float32).repeat_interleave(BN // B, dim=1)
+            opt = p["option"].cpu()
+            for o in range(self.model.K):
+                sel = opt == o
+                if bool(sel.any()):
+                    m[f"lag/option/{o}"] = float(step_lag[sel].mean())
+        return m
+
+    def health_summary(self) -> Dict[str, Any]:
+        """Option health figures (see :mod:`zclaw.policy.health`) for reports and logs."""
+        return self.health.summary(self.model)

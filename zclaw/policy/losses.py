@@ -87,11 +87,34 @@ def vtrace(
         acc = deltas[t] + discounts[t] * cs[t] * acc
         vs_minus_v[t] = acc
     vs = values + vs_minus_v
-
-    vs_tp1 = torch.cat([vs[1:], bootstrap.unsqueeze(0)], dim=0)  # v_{t+1}
-    q_bootstrap = lam * vs_tp1 + (1.0 - lam) * values_tp1
-    pg_advantages = clipped_rhos * (rewards + discounts * q_bootstrap - values)
+    pg_advantages = clipped_rhos * (q_returns(vs, values, bootstrap, rewards, discounts, lam) - values)
     return vs, pg_advantages
+
+
+@torch.no_grad()
+def q_returns(
+    vs: torch.Tensor,
+    values: torch.Tensor,
+    bootstrap: torch.Tensor,
+    rewards: torch.Tensor,
+    discounts: torch.Tensor,
+    lam: float = 1.0,
+) -> torch.Tensor:
+    """The one-step-bootstrapped return of taking a_t at x_t, what every advantage below subtracts from::
+
+        q_t = r_t + gamma_t * (lam * v_{t+1} + (1 - lam) * V(x_{t+1}))          (v_T = V(x_T) = bootstrap)
+
+    ``vtrace``'s advantage is ``rho_t * (q_t - V(x_t))``; the option levels use other baselines
+    (``Q(s, o)`` for an intra-option policy, ``V(s, o_prev)`` for the call-and-return choice).
+    """
+    values_tp1 = torch.cat([values[1:], bootstrap.unsqueeze(0)], dim=0)  # V(x_{t+1})
+    vs_tp1 = torch.cat([vs[1:], bootstrap.unsqueeze(0)], dim=0)  # v_{t+1}
+    return rewards + discounts * (lam * vs_tp1 + (1.0 - lam) * values_tp1)
+
+
+def truncated_is(log_rho: torch.Tensor, rho_bar: float) -> torch.Tensor:
+    """Truncated importance weight ``min(rho_bar, pi / mu)`` (IMPALA's rho_t), from ``log pi - log mu``."""
+    return torch.clamp(torch.exp(log_rho), max=rho_bar)
 
 
 def ppo_clip_loss(
@@ -110,6 +133,100 @@ def ppo_clip_loss(
     surr1 = ratio * adv
     surr2 = torch.clamp(ratio, 1.0 - clip, 1.0 + clip) * adv
     return -torch.min(surr1, surr2)
+
+
+# -- the option levels ------------------------------------------------------------------------------
+#
+# Notation (Sutton, Precup & Singh 1999; Bacon et al. 2017): o_t the option executing at t, o_{t-1} the
+# one before; beta_o(s) its termination probability; pi_Omega(o|s) the policy over options;
+# Q(s, o) the option-value critic and V(s) = sum_o pi_Omega(o|s) Q(s, o). A choice at t is made in
+# x_t, the state the previous step *arrived in* (its s'), and that is where beta_{o_{t-1}} is evaluated.
+
+
+def option_value(q: torch.Tensor, option_probs: torch.Tensor) -> torch.Tensor:
+    """``V(s) = sum_o p(o) Q(s, o)`` for a distribution ``p`` over options (pi_Omega or pi_hat); [..., K] -> [...]."""
+    return (q * option_probs).sum(-1)
+
+
+def dac_high_loss(
+    log_pi_hat: torch.Tensor, log_mu_hat: torch.Tensor, adv: torch.Tensor, clip: float
+) -> torch.Tensor:
+    """DAC's high-MDP term (Zhang & Whiteson 2019, "DAC: The Double Actor-Critic Architecture", sec. 4).
+
+    The high MDP's state is (s_t, o_{t-1}), its action o_t, its policy the call-and-return policy::
+
+        pi_hat(o_t | s_t, o_{t-1}) = (1 - beta_{o_{t-1}}(s_t)) [o_t = o_{t-1}] + beta_{o_{t-1}}(s_t) pi_Omega(o_t|s_t)
+        A^H_t = q_t - V^H(s_t, o_{t-1}),     V^H(s, o_prev) = sum_o pi_hat(o|s, o_prev) Q(s, o)
+        L^H_t = PPO-clip(pi_hat / mu_hat, A^H_t)
+
+    Both pi_Omega and beta are learned through pi_hat: no separate termination gradient is needed.
+    (The low MDP's term is :func:`ppo_clip_loss` on log pi_{o_t}(a_t|s_t) with A^L_t = q_t - Q(s_t, o_t).)
+    """
+    return ppo_clip_loss(log_pi_hat, log_mu_hat, adv, clip)
+
+
+def ppoc_master_loss(log_pi_omega: torch.Tensor, adv: torch.Tensor, is_weight: torch.Tensor) -> torch.Tensor:
+    """PPOC's policy over options (Klissarov et al. 2017, "Learnings Options End-to-End for Continuous
+    Action Tasks"): a softmax master trained by policy gradient on the steps where an option was picked::
+
+        L^Omega_t = - w_t * A^Omega_t * log pi_Omega(o_t|s_t),    A^Omega_t = q_t - V(s_t)
+
+    ``w_t`` is the truncated importance weight of the (stale) option choice, detached. The caller
+    masks out the steps where no option was picked.
+    """
+    return -(is_weight.detach() * adv.detach() * log_pi_omega)
+
+
+def ppoc_termination_loss(
+    beta_prev: torch.Tensor, q_prev: torch.Tensor, v: torch.Tensor, xi: float
+) -> torch.Tensor:
+    """The option-critic termination gradient (Bacon et al. 2017, theorem 2) with regulariser xi::
+
+        L^beta_t = beta_{o_{t-1}}(s_t) * (Q(s_t, o_{t-1}) - V(s_t) + xi)
+
+    evaluated at s_t, the state the previous step arrived in (s'). Minimising it raises beta where
+    continuing o_{t-1} is worse than the average option, and xi > 0 (~0.01) biases toward longer
+    options (Harb et al. 2018's deliberation margin). Q and V are targets here (detached).
+    """
+    return beta_prev * (q_prev - v + xi).detach()
+
+
+def categorical_entropy(logits: torch.Tensor) -> torch.Tensor:
+    """``H = -sum_o p(o) log p(o)`` of a softmax over the last axis (the master's entropy bonus)."""
+    logp = torch.log_softmax(logits, -1)
+    return -(logp.exp() * logp).sum(-1)
+
+
+def distillation_loss(student_mean: torch.Tensor, teacher_mean: torch.Tensor) -> torch.Tensor:
+    """OPD's student term: ``L^S_t = mean_i (mu_S(s_t)_i - clip(mu_{o_t}(s_t), low, high)_i)^2``.
+
+    The teacher's mean (the executing option's, clipped to the action bounds by the caller) is a
+    target: no gradient reaches the options from the student.
+    """
+    return ((student_mean - teacher_mean.detach()) ** 2).mean(-1)
+
+
+def option_loss_weights(option: torch.Tensor, K: int, max_weight: float = 10.0) -> torch.Tensor:
+    """Per-sample weights that give every option present in the batch the same total weight::
+
+        share_o = n_o / n,     w_t = min(max_weight, 1 / (K_present * share_{o_t}))   renormalised to mean 1
+
+    so a rarely used option is not starved of gradient by the one the data is full of.
+    """
+    counts = torch.bincount(option.reshape(-1), minlength=K).to(torch.float32)
+    present = (counts > 0).sum().clamp(min=1).to(torch.float32)
+    share = counts / counts.sum().clamp(min=1)
+    w_opt = torch.where(counts > 0, 1.0 / (present * share.clamp(min=1e-12)), torch.zeros_like(share))
+    w = torch.clamp(w_opt, max=max_weight)[option]
+    return w / w.mean().clamp(min=1e-12)
+
+
+def masked_mean(x: torch.Tensor, mask: torch.Tensor, weight: Optional[torch.Tensor] = None) -> torch.Tensor:
+    """``sum(mask * w * x) / max(1, sum(mask))``: a mean over the steps where a term is defined."""
+    m = mask.to(x.dtype)
+    if weight is not None:
+        m = m * weight
+    return (x * m).sum() / mask.to(x.dtype).sum().clamp(min=1.0)
 
 
 def value_loss(values: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
@@ -137,6 +254,14 @@ def normalize(adv: torch.Tensor, eps: float = 1e-8) -> torch.Tensor:
     if adv.numel() < 2:
         return adv - adv.mean()
     return (adv - adv.mean()) / (adv.std() + eps)
+
+
+def masked_normalize(adv: torch.Tensor, mask: torch.Tensor, eps: float = 1e-8) -> torch.Tensor:
+    """:func:`normalize` over the entries where ``mask`` holds (statistics from those only); 0 elsewhere."""
+    out = torch.zeros_like(adv)
+    if bool(mask.any()):
+        out[mask] = normalize(adv[mask], eps)
+    return out
 
 
 def explained_variance(pred: torch.Tensor, target: torch.Tensor) -> float:

@@ -1,4 +1,5 @@
-"""The option policy network: policy over options, K intra-option Gaussians, K terminations, Q(s, .).
+"""The option policy network: policy over options, K intra-option Gaussians, K terminations, Q(s, .),
+and the flat Gaussian student distilled from them (:meth:`OptionPolicy.student_act`, for deployment).
 
 One module holds every head so that the learner trains it and a worker acts with it from the same
 weights message. With ``options = 1`` the master and termination heads are inert (log pi_Omega = 0,
@@ -81,6 +82,9 @@ class OptionPolicy(nn.Module):
         self.critic = mlp([cfg.obs_dim] + H + [K], cfg.activation, out_gain=1.0)
         self.master = mlp([cfg.obs_dim] + H + [K], cfg.activation, out_gain=0.01)
         self.termination = mlp([cfg.obs_dim] + H + [K], cfg.activation, out_gain=0.01)
+        # the flat student pi_S(a|s): its own body, distilled from the executing option's mean
+        self.student = mlp([cfg.obs_dim] + H + [A], cfg.activation, out_gain=0.01)
+        self.student_log_std = nn.Parameter(torch.full((A,), float(cfg.init_log_std)))
 
     # -- heads on normalised observations ------------------------------------------------------
     def action_mean(self, x: torch.Tensor) -> torch.Tensor:
@@ -105,33 +109,60 @@ class OptionPolicy(nn.Module):
         return (0.5 + 0.5 * math.log(2 * math.pi) + self.log_std[option]).sum(-1)
 
     def call_and_return_logits(self, x: torch.Tensor, prev_option: torch.Tensor, start: torch.Tensor) -> torch.Tensor:
-        """log pi_hat(.|s, o_prev): stay with o_prev w.p. 1 - beta, else re-pick from pi_Omega."""
+        """log pi_hat(.|s, o_prev) = log[(1 - beta_{o_prev}(s)) [o = o_prev] + beta_{o_prev}(s) pi_Omega(o|s)].
+
+        ``x`` is the state the choice is made in, i.e. the s' reached by the previous step: the
+        termination of the option that was running is evaluated there (not at the state it started
+        from, the bug of the widely copied option-critic port). At an episode start (``start``)
+        beta = 1: always pick afresh. For K = 1 the single option has probability 1 (log = 0).
+        """
         log_master = torch.log_softmax(self.master_logits(x), -1)
         if self.K == 1:
             return torch.zeros_like(log_master)
-        beta = self.beta(x).gather(-1, prev_option.clamp(min=0).unsqueeze(-1)).squeeze(-1)
+        beta = self.beta(x).gather(-1, prev_option.clamp(0, self.K - 1).unsqueeze(-1)).squeeze(-1)
         beta = torch.where(start, torch.ones_like(beta), beta)
-        stay = torch.nn.functional.one_hot(prev_option.clamp(min=0), self.K).to(x.dtype)
+        stay = torch.nn.functional.one_hot(prev_option.clamp(0, self.K - 1), self.K).to(x.dtype)
         probs = (1 - beta).unsqueeze(-1) * stay + beta.unsqueeze(-1) * log_master.exp()
         return torch.log(probs.clamp(min=1e-12))
+
+    def option_mean(self, x: torch.Tensor, option: torch.Tensor) -> torch.Tensor:
+        """The mean action [.., A] of the given option (one per row)."""
+        idx = option.reshape(option.shape + (1, 1)).expand(option.shape + (1, self.A))
+        return self.action_mean(x).gather(-2, idx).squeeze(-2)
 
     # -- acting ------------------------------------------------------------------------------------
     @torch.no_grad()
     def act(
         self, obs: torch.Tensor, prev_option: torch.Tensor, episode_start: torch.Tensor, deterministic: bool = False
     ) -> Dict[str, torch.Tensor]:
-        """One call-and-return step for a batch of envs; returns what a segment records."""
+        """One call-and-return step for a batch of envs; returns what a segment records.
+
+        The termination b ~ Bernoulli(beta_{o_prev}(s)) is drawn explicitly (deterministic: beta > 1/2),
+        then o ~ pi_Omega(.|s) if b fired or the episode starts, else o = o_prev. ``option_start`` is
+        exactly "b fired or episode start" (a fresh pick, which may pick o_prev again); the recorded
+        ``logp_option`` is the marginal log pi_hat(o|s, o_prev) of the choice, the behaviour log-prob
+        that DAC's high-level PPO ratio needs.
+        """
         x = self.obs_norm(obs)
+        n = obs.shape[0]
         if self.K == 1:
-            option = torch.zeros(obs.shape[0], dtype=torch.long, device=obs.device)
-            logp_option = torch.zeros(obs.shape[0], device=obs.device)
+            option = torch.zeros(n, dtype=torch.long, device=obs.device)
+            logp_option = torch.zeros(n, device=obs.device)
             option_start = episode_start.clone()
         else:
-            logits = self.call_and_return_logits(x, prev_option, episode_start)
-            option = logits.argmax(-1) if deterministic else torch.distributions.Categorical(logits=logits).sample()
+            prev = prev_option.clamp(0, self.K - 1)
+            log_master = torch.log_softmax(self.master_logits(x), -1)
+            beta = self.beta(x).gather(-1, prev.unsqueeze(-1)).squeeze(-1)
+            if deterministic:
+                fired, picked = beta > 0.5, log_master.argmax(-1)
+            else:
+                fired = torch.rand_like(beta) < beta
+                picked = torch.distributions.Categorical(logits=log_master).sample()
+            option_start = episode_start | fired
+            option = torch.where(option_start, picked, prev)
+            logits = self.call_and_return_logits(x, prev, episode_start)
             logp_option = logits.gather(-1, option.unsqueeze(-1)).squeeze(-1)
-            option_start = episode_start | (option != prev_option)
-        mean = self.action_mean(x).gather(-2, option.view(-1, 1, 1).expand(-1, 1, self.A)).squeeze(-2)
+        mean = self.option_mean(x, option)
         log_std = self.log_std[option]
         action = mean if deterministic else mean + torch.randn_like(mean) * log_std.exp()
         return {
@@ -141,6 +172,19 @@ class OptionPolicy(nn.Module):
             "option_start": option_start,
             "logp_option": logp_option,
         }
+
+    def student_mean(self, x: torch.Tensor) -> torch.Tensor:
+        """The student's mean action [.., A] on *normalised* observations."""
+        return self.student(x)
+
+    @torch.no_grad()
+    def student_act(self, obs: torch.Tensor) -> torch.Tensor:
+        """The student's deterministic action (its mean) for RAW observations [N, obs_dim].
+
+        Normalises with the same running statistics as the teacher; clipping to the action bounds is
+        the caller's job (as for :meth:`act`).
+        """
+        return self.student_mean(self.obs_norm(obs))
 
     # -- weights on the wire -----------------------------------------------------------------------
     def weight_arrays(self) -> Dict[str, np.ndarray]:
@@ -157,5 +201,5 @@ class OptionPolicy(nn.Module):
             a = arrays[k]
             if tuple(a.shape) != tuple(v.shape):
                 raise ValueError(f"weights {k}: shape {list(a.shape)}, network has {list(v.shape)}")
-            new[k] = torch.from_numpy(np.array(a, dtype=v.detach().cpu().numpy().dtype))
+            new[k] = torch.from_numpy(np.array(a)).to(dtype=v.dtype)  # dtype from the tensor: no device copy
         self.load_state_dict(new)

@@ -7,7 +7,7 @@ subscribe with ``CONFLATE`` and a conflated socket keeps only the last frame of 
 """
 from __future__ import annotations
 
-from typing import Any, Mapping
+from typing import Any, Mapping, Optional
 
 import numpy as np
 
@@ -29,11 +29,18 @@ def policy_config(policy_section: Mapping[str, Any], spec: EnvSpec) -> PolicyCon
     )
 
 
-def weights_message(model: OptionPolicy, version: int, step: int, spec_hash: str) -> bytes:
-    """The packed single-frame ``weights`` message for ``model`` at ``version``."""
+def weights_message(
+    model: OptionPolicy, version: int, step: int, spec_hash: str, learner: Optional[str] = None
+) -> bytes:
+    """The packed single-frame ``weights`` message for ``model`` at ``version``.
+
+    ``learner`` names the publishing process: workers accept a *lower* version from a new learner
+    (one resumed from an older checkpoint after a crash), never from the same one.
+    """
     arrays = model.weight_arrays()
+    extra = {} if learner is None else {"learner": learner}
     return pack(make("weights", arrays, version=int(version), step=int(step), spec_hash=spec_hash,
-                     policy=model.cfg.to_dict()))
+                     policy=model.cfg.to_dict(), **extra))
 
 
 def model_from_weights(msg: Message) -> OptionPolicy:

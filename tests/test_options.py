@@ -1,0 +1,344 @@
+"""The option learner: K = 1 is exactly PPO, terminations at s', truncated importance weights,
+call-and-return acting, DAC / PPOC terms, the student, per-option weights and lag, option health."""
+from __future__ import annotations
+
+import copy
+import math
+from typing import Dict
+
+import numpy as np
+import pytest
+import torch
+
+from zclaw.learner.trainer import Trainer
+from zclaw.policy import losses
+from zclaw.policy.health import OptionHealth
+from zclaw.policy.networks import OptionPolicy
+from zclaw.policy.weights import model_from_weights, weights_message
+from zclaw.wire import unpack, parse
+
+from test_trainer import bandit_batch, batch_message, empty_batch, learner_cfg, make_model, spec_of
+
+
+def random_batch(spec, rng, B=2, T=6, N=3, K=1, version=0) -> Dict[str, np.ndarray]:
+    a = empty_batch(spec, B, T, N, version)
+    a["obs"][:] = rng.normal(size=a["obs"].shape)
+    a["action"][:] = rng.normal(size=a["action"].shape) * 0.5
+    a["reward"][:] = rng.normal(size=a["reward"].shape)
+    a["terminated"][:, 3, 0] = True
+    a["option"][:] = rng.integers(0, K, size=a["option"].shape)
+    a["option_start"][:] = rng.random(size=a["option_start"].shape) < 0.3
+    a["option_start"][:, 4, 0] = True  # the step after the episode end picks
+    a["logp_action"][:] = -1.5 + rng.normal(size=a["logp_action"].shape) * 0.1
+    a["logp_option"][:] = np.log(1.0 / K) if K > 1 else 0.0
+    return a
+
+
+# -- K = 1 is the existing asynchronous PPO learner ---------------------------------------------------
+
+def reference_ppo_update(model: OptionPolicy, opt: torch.optim.Optimizer, p: dict, c: dict) -> Dict[str, float]:
+    """The flat asynchronous-PPO update as the learner did it before options existed (V-trace
+    advantages, PPO-clip, value loss, Gaussian entropy), written out independently of the Trainer."""
+    T = p["values"].shape[0]
+    S = p["values"].numel()
+    x = p["x"][:T].reshape(S, -1)
+    act = p["action"].reshape(S, -1)
+    mu = p["logp_mu"].reshape(S)
+    adv_all = p["adv"].reshape(S)
+    vs = p["vs"].reshape(S)
+    w = p["weight"].reshape(S)
+    out = {"policy": 0.0, "value": 0.0}
+    n = 0
+    for _ in range(c["epochs"]):
+        perm = torch.randperm(S)
+        for idx in torch.chunk(perm, c["minibatches"]):
+            mean = model.actor(x[idx])  # K = 1: the actor's output is option 0's mean
+            log_std = model.log_std[0].expand_as(mean)
+            logp = torch.distributions.Normal(mean, log_std.exp()).log_prob(act[idx]).sum(-1)
+            a = adv_all[idx]
+            a = (a - a.mean()) / (a.std() + 1e-8)
+            ratio = torch.exp(logp - mu[idx])
+            pg = (-torch.min(ratio * a, ratio.clamp(1 - c["clip"], 1 + c["clip"]) * a) * w[idx]).mean()
+            v = model.critic(x[idx])[:, 0]
+            vl = (0.5 * (v - vs[idx]) ** 2 * w[idx]).mean()
+            ent = ((0.5 + 0.5 * math.log(2 * math.pi) + log_std).sum(-1) * w[idx]).mean()
+            loss = pg + c["vf_coef"] * vl - c["ent_coef"] * ent
+            opt.zero_grad(set_to_none=True)
+            loss.backward()
+            torch.nn.utils.clip_grad_norm_([q for q in model.parameters() if q.grad is not None], c["max_grad_norm"])
+            opt.step()
+            out["policy"] += float(pg.detach())
+            out["value"] += float(vl.detach())
+            n += 1
+    return {k: v / n for k, v in out.items()}
+
+
+@pytest.mark.parametrize("mode", ["dac", "ppoc"])
+def test_k1_is_exactly_flat_ppo_same_losses_and_parameters(mode: str) -> None:
+    torch.manual_seed(0)
+    rng = np.random.default_rng(0)
+    spec = spec_of(3, 2)
+    model = make_model(spec, hidden=[16], options=1)
+    ref = copy.deepcopy(model)
+    c = learner_cfg(epochs=2, minibatches=3, ent_coef=0.01, mode=mode, master_ent_coef=0.1, termination_coef=1.0,
+                    deliberation_cost=0.5, option_weights=True)
+    trainer = Trainer(model, c, "cpu")
+    a = random_batch(spec, rng, K=1, version=3)
+    msg = batch_message(spec, a)
+    ref.obs_norm.update(torch.as_tensor(a["obs"][:, :-1]).reshape(-1, 3))  # what prepare() does first
+    with torch.no_grad():  # the targets from the reference network (no option terms anywhere)
+        p_ref = Trainer(copy.deepcopy(ref), c, "cpu").prepare(msg, 4, update_norm=False)
+    # the option-level advantages vanish and the intra-option advantage is V-trace's
+    vs, pg_adv = losses.vtrace(p_ref["values"], p_ref["bootstrap"], p_ref["rewards"], p_ref["discounts"],
+                               p_ref["log_rhos"], 1.0, 1.0, lam=c["lam"])
+    torch.testing.assert_close(p_ref["adv"], pg_adv)
+    assert float(p_ref["log_rho_option"].abs().max()) == 0.0
+
+    main = [q for n, q in ref.named_parameters() if not n.startswith("student")]
+    opt = torch.optim.Adam(main, lr=c["lr"], eps=1e-5)
+    torch.manual_seed(7)
+    m = trainer.update(msg, 4)
+    torch.manual_seed(7)
+    r = reference_ppo_update(ref, opt, p_ref, c)
+    assert m["loss/policy"] == pytest.approx(r["policy"], abs=1e-6)
+    assert m["loss/value"] == pytest.approx(r["value"], abs=1e-6)
+    assert m["loss/master"] == 0.0 and m["loss/termination"] == 0.0
+    for (name, p0), p1 in zip(model.named_parameters(), ref.parameters()):
+        if not name.startswith("student"):
+            torch.testing.assert_close(p0, p1, atol=1e-6, rtol=1e-5, msg=name)
+
+
+# -- call-and-return: the policy pi_hat, and acting with it ------------------------------------------
+
+def two_option_model(spec, beta_bias=(0.0, 0.0), master_bias=(0.0, 0.0), obs_term_weight: float = 0.0) -> OptionPolicy:
+    """K = 2 with hand-set heads: beta_o(s) = sigmoid(bias_o + weight * s_0), pi_Omega = softmax(bias)."""
+    model = make_model(spec, hidden=[8], options=2, normalize_obs=False)
+    with torch.no_grad():
+        for head, bias in ((model.termination, beta_bias), (model.master, master_bias)):
+            for layer in head:
+                if isinstance(layer, torch.nn.Linear):
+                    layer.weight.zero_()
+                    layer.bias.zero_()
+            head[-1].bias.copy_(torch.tensor(bias))
+        if obs_term_weight:
+            # route s_0 through the hidden tanh layer: h_0 = tanh(s_0), out_o += weight * h_0
+            model.termination[0].weight[0, 0] = 1.0
+            model.termination[-1].weight[:, 0] = obs_term_weight
+    return model
+
+
+def test_call_and_return_probabilities_by_hand() -> None:
+    spec = spec_of(2, 1)
+    # beta = sigmoid(0) = 1/2 for both options, pi_Omega = softmax(log 3, 0) = (3/4, 1/4)
+    model = two_option_model(spec, master_bias=(math.log(3.0), 0.0))
+    x = torch.zeros(3, 2)
+    prev = torch.tensor([0, 1, 1])
+    start = torch.tensor([False, False, True])
+    p = model.call_and_return_logits(x, prev, start).exp()
+    # stay with 0: 1/2 + 1/2 * 3/4 = 7/8 ; switch to 1: 1/2 * 1/4 = 1/8
+    # prev 1: to 0: 1/2 * 3/4 = 3/8 ; stay: 1/2 + 1/2 * 1/4 = 5/8 ; episode start: pi_Omega itself
+    torch.testing.assert_close(p, torch.tensor([[7 / 8, 1 / 8], [3 / 8, 5 / 8], [3 / 4, 1 / 4]]))
+
+
+def test_act_keeps_the_option_until_its_termination_fires_and_always_picks_at_episode_start() -> None:
+    torch.manual_seed(0)
+    spec = spec_of(2, 1)
+    n = 512
+    obs = torch.randn(n, 2)
+    # option 0 never terminates, option 1 always does; the master always picks option 0
+    model = two_option_model(spec, beta_bias=(-30.0, 30.0), master_bias=(30.0, -30.0))
+    prev = torch.tensor([0, 1] * (n // 2))
+    out = model.act(obs, prev, torch.zeros(n, dtype=torch.bool))
+    assert torch.equal(out["option"], torch.zeros(n, dtype=torch.long))  # 0 kept, 1 terminated -> picks 0
+    assert torch.equal(out["option_start"], prev == 1)
+    torch.testing.assert_close(out["logp_option"], torch.zeros(n), atol=1e-6, rtol=0)  # log pi_hat = log 1
+    # at an episode start the master picks, even though option 1 "would never" be kept and 0 never ends
+    model2 = two_option_model(spec, beta_bias=(-30.0, -30.0), master_bias=(-30.0, 30.0))
+    out2 = model2.act(obs, torch.zeros(n, dtype=torch.long), torch.ones(n, dtype=torch.bool))
+    assert torch.equal(out2["option"], torch.ones(n, dtype=torch.long)) and bool(out2["option_start"].all())
+    out3 = model2.act(obs, torch.zeros(n, dtype=torch.long), torch.zeros(n, dtype=torch.bool))
+    assert torch.equal(out3["option"], torch.zeros(n, dtype=torch.long)) and not bool(out3["option_start"].any())
+    # beta = 1/2: about half of the steps pick afresh; the recorded log-prob is pi_hat's
+    model4 = two_option_model(spec, master_bias=(0.0, 0.0))
+    out4 = model4.act(obs, prev, torch.zeros(n, dtype=torch.bool))
+    assert 0.4 < float(out4["option_start"].float().mean()) < 0.6
+    assert not bool((out4["option"] != prev)[~out4["option_start"]].any())  # no switch without a pick
+    want = model4.call_and_return_logits(obs, prev, torch.zeros(n, dtype=torch.bool)).gather(
+        -1, out4["option"].unsqueeze(-1)).squeeze(-1)
+    torch.testing.assert_close(out4["logp_option"], want)
+
+
+def test_termination_is_evaluated_at_the_next_state() -> None:
+    """Step t's choice uses beta_{o_{t-1}}(x_t), x_t being the s' of step t-1, never beta(x_{t-1})."""
+    torch.manual_seed(1)
+    spec = spec_of(2, 1)
+    model = two_option_model(spec, master_bias=(0.5, -0.5), obs_term_weight=4.0)
+    for mode in ("dac", "ppoc"):
+        trainer = Trainer(model, learner_cfg(mode=mode), "cpu")
+        T, N = 4, 1
+        a = empty_batch(spec, 1, T, N)
+        a["obs"][0, :, 0, 0] = [-2.0, 2.0, -2.0, 2.0, 0.0]  # beta differs strongly between x_t and x_{t-1}
+        a["option"][0, :, 0] = [0, 0, 1, 1]
+        a["option_start"][0, :, 0] = [False, False, True, False]
+        p = trainer.prepare(batch_message(spec, a), 0, update_norm=False)
+        x = p["x"][:, 0]
+        prev = torch.tensor([0, 0, 0, 1])
+        with torch.no_grad():
+            at_next = model.call_and_return_logits(x[:T], prev, torch.zeros(T, dtype=torch.bool))
+            at_prev = model.call_and_return_logits(torch.cat([x[:1], x[: T - 1]]), prev, torch.zeros(T, dtype=torch.bool))
+        o = torch.tensor([0, 0, 1, 1])
+        want = at_next.gather(-1, o.unsqueeze(-1)).squeeze(-1)
+        wrong = at_prev.gather(-1, o.unsqueeze(-1)).squeeze(-1)
+        got = p["log_rho_option"][:, 0]  # behaviour log-prob was 0, so this is log pi_hat
+        torch.testing.assert_close(got, want)
+        assert float((got[1:] - wrong[1:]).abs().max()) > 0.5
+        assert torch.equal(p["prev_option"][:, 0], prev) and bool(p["known"].all())
+        if mode == "ppoc":
+            with torch.no_grad():
+                q = model.q(x[:T])
+                v = (q * torch.softmax(model.master_logits(x[:T]), -1)).sum(-1)
+            torch.testing.assert_close(p["q_prev"][:, 0], q.gather(-1, prev.unsqueeze(-1)).squeeze(-1))
+            torch.testing.assert_close(p["v"][:, 0], v)
+
+
+def test_option_context_at_the_segment_edge() -> None:
+    option = torch.tensor([[2, 1], [2, 1], [0, 1]])
+    start = torch.tensor([[False, True], [False, False], [True, False]])
+    done = torch.tensor([[False, False], [True, False], [False, False]])
+    prev, ep_start, known = Trainer.option_context(option, start, done)
+    assert prev.tolist() == [[2, 1], [2, 1], [2, 1]]
+    assert ep_start.tolist() == [[False, True], [False, False], [True, False]]
+    assert known.tolist() == [[True, False], [True, True], [True, True]]  # t = 0 picked: unknown context
+
+
+# -- staleness: truncated importance weights of both levels ---------------------------------------------
+
+@pytest.mark.parametrize("rho_bar", [0.5, 1.0, 3.0])
+def test_importance_weights_are_truncated_as_configured(rho_bar: float) -> None:
+    torch.manual_seed(2)
+    rng = np.random.default_rng(2)
+    spec = spec_of(3, 1)
+    model = make_model(spec, hidden=[8], options=2)
+    trainer = Trainer(model, learner_cfg(rho_bar=rho_bar, c_bar=rho_bar), "cpu")
+    a = random_batch(spec, rng, K=2)
+    a["logp_action"][:, :3] = -30.0  # the behaviour thought these actions unlikely: rho = pi/mu huge
+    a["logp_option"][:, :3] = -5.0
+    p = trainer.prepare(batch_message(spec, a), 0, update_norm=False)
+    with torch.no_grad():
+        logp_pi, _ = trainer._logp(p["x"][:-1], p["option"], p["action"])
+    rho_a = torch.exp(logp_pi - p["logp_mu"])
+    want = torch.clamp(rho_a, max=rho_bar) * (p["q_ret"] - p["values"])
+    torch.testing.assert_close(p["adv"], want)
+    assert bool((rho_a[:3] > rho_bar).all())  # the huge ones were truncated ...
+    torch.testing.assert_close(p["adv"][:3], rho_bar * (p["q_ret"] - p["values"])[:3])
+    # ... and the high-level (DAC) advantage uses the joint ratio of both levels, truncated the same way
+    rho_j = torch.clamp(torch.exp(p["log_rhos"]), max=rho_bar)
+    with torch.no_grad():
+        pi_hat = model.call_and_return_logits(p["x"][:-1], p["prev_option"], p["ep_start"]).exp()
+        v_hi = (model.q(p["x"][:-1]) * pi_hat).sum(-1)
+    torch.testing.assert_close(p["adv_high"], rho_j * (p["q_ret"] - v_hi))
+    m = trainer.update(batch_message(spec, a), 0)
+    assert m["rho_clipped_frac"] >= 3 / 6 - 1e-6
+
+
+# -- DAC and PPOC train their option levels; the student follows the teacher -------------------------
+
+@pytest.mark.parametrize("mode", ["dac", "ppoc"])
+def test_option_level_terms_are_finite_and_move_master_and_termination(mode: str) -> None:
+    torch.manual_seed(3)
+    rng = np.random.default_rng(3)
+    spec = spec_of(3, 2)
+    model = make_model(spec, hidden=[16], options=3)
+    trainer = Trainer(model, learner_cfg(mode=mode, option_weights=True), "cpu")
+    before = {n: q.detach().clone() for n, q in model.named_parameters()}
+    m = trainer.update(batch_message(spec, random_batch(spec, rng, K=3)), 0)
+    for k in ("loss/policy", "loss/value", "loss/entropy", "loss/master", "loss/termination",
+              "loss/master_entropy", "loss/student", "loss/total"):
+        assert math.isfinite(m[k]), k
+    assert m["loss/master_entropy"] > 0
+    moved = {n for n, q in model.named_parameters() if not torch.equal(before[n], q)}
+    assert any(n.startswith("master.") for n in moved) and any(n.startswith("termination.") for n in moved)
+    assert any(n.startswith("student.") for n in moved)
+    assert all(f"lag/option/{o}" in m for o in range(3))
+
+
+def test_per_option_lag_by_hand() -> None:
+    spec = spec_of(2, 1)
+    model = make_model(spec, hidden=[8], options=2)
+    trainer = Trainer(model, learner_cfg(), "cpu")
+    a = empty_batch(spec, 2, 2, 1)
+    a["policy_version"][:] = [[8, 9], [5, 5]]  # learner at 10: lags [[2, 1], [5, 5]]
+    a["option"][:, :, 0] = [[0, 1], [1, 1]]
+    a["option_start"][:, 0, 0] = True
+    m = trainer.update(batch_message(spec, a), 10)
+    assert m["lag/option/0"] == pytest.approx(2.0)
+    assert m["lag/option/1"] == pytest.approx((1 + 5 + 5) / 3)
+
+
+def test_student_is_distilled_toward_the_clipped_teacher_and_travels_with_the_weights() -> None:
+    torch.manual_seed(4)
+    rng = np.random.default_rng(4)
+    spec = spec_of(1, 1)
+    model = make_model(spec, hidden=[32])
+    trainer = Trainer(model, learner_cfg(lr=3e-3, student_lr=3e-3, epochs=4, minibatches=2), "cpu",
+                      action_low=spec.action_low, action_high=spec.action_high)
+    initial = copy.deepcopy(model)
+    for v in range(60):
+        m = trainer.update(bandit_batch(model, spec, rng), v)
+    obs = torch.from_numpy(rng.normal(size=(64, 1)).astype(np.float32))
+    teacher = model.act(obs, torch.zeros(64, dtype=torch.long), torch.ones(64, dtype=torch.bool), deterministic=True)
+    target = teacher["action"].clamp(-1, 1)
+    gap_before = float((initial.student_act(obs) - target).abs().mean())
+    gap_after = float((model.student_act(obs) - target).abs().mean())
+    assert gap_before > 0.3 and gap_after < 0.1, (gap_before, gap_after)  # the teacher moved; the student followed
+    assert 0 < m["loss/student"] < 0.02
+    # the weights message carries the student: a worker-side copy gives the same student actions
+    copy_ = model_from_weights(parse(unpack(weights_message(model, 1, 0, spec.hash))))
+    torch.testing.assert_close(copy_.student_act(obs), model.student_act(obs), rtol=0, atol=0)
+
+
+def test_student_lr_zero_leaves_the_student_alone() -> None:
+    torch.manual_seed(5)
+    spec = spec_of(1, 1)
+    model = make_model(spec, hidden=[8])
+    trainer = Trainer(model, learner_cfg(student_lr=0.0), "cpu")
+    before = [q.detach().clone() for q in model.student.parameters()]
+    m = trainer.update(bandit_batch(model, spec, np.random.default_rng(5)), 0)
+    assert m["loss/student"] == 0.0
+    assert all(torch.equal(b, q) for b, q in zip(before, model.student.parameters()))
+
+
+# -- option health ----------------------------------------------------------------------------------
+
+def test_health_figures_by_hand_and_warnings() -> None:
+    spec = spec_of(2, 1)
+    model = make_model(spec, hidden=[8], options=2)
+    h = OptionHealth(2, decay=1.0, collapse_duration=1.5, dominant_share=0.95)
+    # one column, 6 steps: 0 0 0 1 1 0 ; picks at t = 0 (unknown context), 3, 5; no episode end
+    option = torch.tensor([0, 0, 0, 1, 1, 0]).unsqueeze(1)
+    start = torch.tensor([True, False, False, True, False, True]).unsqueeze(1)
+    done = torch.zeros(6, 1, dtype=torch.bool)
+    prev, ep_start, known = Trainer.option_context(option, start, done)
+    h.update(option, start, prev, known, ep_start, torch.randn(7, 1, 2))
+    s = h.summary(model)
+    assert s["usage"] == pytest.approx([4 / 6, 2 / 6])
+    assert s["duration"] == pytest.approx([4 / 2, 2 / 1])
+    # decisions at t = 1..5 with prev 0, 0, 0, 1, 1: option 0 fired once in 3 (t = 3), option 1 once in 2 (t = 5)
+    assert s["termination_rate"] == pytest.approx([1 / 3, 1 / 2])
+    assert s["distance_min"] is not None and s["distance_min"] >= 0
+    assert s["warnings"] == []
+    flap = OptionHealth(2, decay=1.0)
+    o = torch.tensor([0, 1, 0, 1, 0, 1, 0, 0]).unsqueeze(1)
+    st = torch.ones(8, 1, dtype=torch.bool)
+    pv, es, kn = Trainer.option_context(o, st, torch.zeros(8, 1, dtype=torch.bool))
+    flap.update(o, st, pv, kn, es)
+    assert any("collapse" in w for w in flap.summary(model)["warnings"])
+    one = OptionHealth(2, decay=1.0)
+    o = torch.zeros(40, 1, dtype=torch.long)
+    st = torch.zeros(40, 1, dtype=torch.bool)
+    st[0] = True
+    pv, es, kn = Trainer.option_context(o, st, torch.zeros(40, 1, dtype=torch.bool))
+    one.update(o, st, pv, kn, es)
+    w = one.summary(model)["warnings"]
+    assert any("option 0 takes 100.0%" in x for x in w)
+    assert OptionHealth.scalars(s)["options/usage/0"] == pytest.approx(4 / 6)

@@ -1,0 +1,116 @@
+"""Option health: are the options still K distinct, used, temporally extended skills?
+
+Option learning fails quietly in three known ways (DESIGN section 4): options that terminate every
+step (mean duration -> 1, the hierarchy degenerates into a flat policy that switches every step),
+one option taking nearly all usage (the others are dead weight), and options that become identical
+(their action means coincide). :class:`OptionHealth` keeps decayed counts over recent batches and
+reports, per option:
+
+* ``usage``            share of steps executed by o;
+* ``duration``         steps of o / picks of o (mean number of steps an option runs once picked);
+* ``termination_rate`` fraction of the continuing steps after o ran where beta_o fired;
+* ``entropy``          Gaussian entropy of pi_o (depends on its log std only);
+
+and, on a fixed probe batch of observations (the first states the learner trained on), the pairwise
+mean L2 distance of the options' action means (``distance_min`` over pairs is the one to watch).
+"""
+from __future__ import annotations
+
+import math
+from typing import Any, Dict, List, Optional
+
+import torch
+
+from . import losses
+from .networks import OptionPolicy
+
+PROBE_SIZE = 256
+
+
+class OptionHealth:
+    """Decayed per-option counters; :meth:`update` per batch, :meth:`summary` when reporting."""
+
+    def __init__(self, K: int, decay: float = 0.9, collapse_duration: float = 1.5, dominant_share: float = 0.95) -> None:
+        self.K = int(K)
+        self.decay = float(decay)
+        self.collapse_duration = float(collapse_duration)
+        self.dominant_share = float(dominant_share)
+        self.steps = torch.zeros(self.K, dtype=torch.float64)
+        self.picks = torch.zeros(self.K, dtype=torch.float64)
+        self.continuing = torch.zeros(self.K, dtype=torch.float64)
+        self.terminated = torch.zeros(self.K, dtype=torch.float64)
+        self.probe: Optional[torch.Tensor] = None
+
+    @torch.no_grad()
+    def update(
+        self, option: torch.Tensor, option_start: torch.Tensor, prev_option: torch.Tensor,
+        choice_known: torch.Tensor, episode_start: torch.Tensor, raw_obs: Optional[torch.Tensor] = None,
+    ) -> None:
+        """Fold one batch in (all [T, B] time-major; ``choice_known`` marks steps whose o_{t-1} is known)."""
+        K = self.K
+        o = option.reshape(-1).cpu()
+        start = option_start.reshape(-1).cpu()
+        cont = (choice_known & ~episode_start).reshape(-1).cpu()  # a termination decision was made
+        prev = prev_option.reshape(-1).cpu()
+        d = self.decay
+        self.steps = d * self.steps + torch.bincount(o, minlength=K).double()
+        self.picks = d * self.picks + torch.bincount(o[start], minlength=K).double()
+        self.continuing = d * self.continuing + torch.bincount(prev[cont], minlength=K).double()
+        self.terminated = d * self.terminated + torch.bincount(prev[cont & start], minlength=K).double()
+        if self.probe is None and raw_obs is not None:
+            flat = raw_obs.reshape(-1, raw_obs.shape[-1])
+            self.probe = flat[:: max(1, flat.shape[0] // PROBE_SIZE)][:PROBE_SIZE].detach().cpu().clone()
+
+    @torch.no_grad()
+    def summary(self, model: OptionPolicy) -> Dict[str, Any]:
+        """Per-option figures, the distance of the option means, and warnings (a list of strings)."""
+        K = self.K
+        total = float(self.steps.sum())
+        usage = (self.steps / max(total, 1e-12)).tolist()
+        duration = [float(s / p) if p > 0 else None for s, p in zip(self.steps, self.picks)]
+        term = [float(t / c) if c > 0 else None for t, c in zip(self.terminated, self.continuing)]
+        entropy = losses.entropy(model.log_std.detach().cpu().float()).tolist()
+        out: Dict[str, Any] = {
+            "K": K, "usage": usage, "duration": duration, "termination_rate": term, "entropy": entropy,
+            "duration_mean": float(total / float(self.picks.sum())) if float(self.picks.sum()) > 0 else None,
+            "distance_min": None, "distance_mean": None, "warnings": [],
+        }
+        if K > 1 and self.probe is not None:
+            dev = next(model.parameters()).device
+            means = model.action_mean(model.obs_norm(self.probe.to(dev))).float().cpu()  # [P, K, A]
+            dist = torch.linalg.norm(means.unsqueeze(2) - means.unsqueeze(1), dim=-1).mean(0)  # [K, K]
+            iu = torch.triu_indices(K, K, offset=1)
+            pairs = dist[iu[0], iu[1]]
+            out["distance_min"] = float(pairs.min())
+            out["distance_mean"] = float(pairs.mean())
+        out["warnings"] = self.warnings(out)
+        return out
+
+    def warnings(self, s: Dict[str, Any]) -> List[str]:
+        """The known failure modes, as text a user can act on (nothing for K = 1 or before any data)."""
+        if self.K == 1 or float(self.steps.sum()) <= 0:
+            return []
+        w: List[str] = []
+        dm = s.get("duration_mean")
+        if dm is not None and dm < self.collapse_duration:
+            w.append(f"options collapse: mean duration {dm:.2f} steps < {self.collapse_duration} "
+                     "(they terminate almost every step; raise learner.xi or learner.deliberation_cost)")
+        top = max(s["usage"])
+        if top > self.dominant_share:
+            o = s["usage"].index(top)
+            w.append(f"option {o} takes {top:.1%} of the steps (> {self.dominant_share:.0%}): the others are unused "
+                     "(try learner.option_weights or broker.option_balanced, or a larger learner.master_ent_coef)")
+        return w
+
+    @staticmethod
+    def scalars(s: Dict[str, Any]) -> Dict[str, float]:
+        """Flat ``options/...`` scalars for TensorBoard (None values left out)."""
+        out: Dict[str, float] = {}
+        for key in ("usage", "duration", "termination_rate", "entropy"):
+            for o, v in enumerate(s[key]):
+                if v is not None and math.isfinite(v):
+                    out[f"options/{key}/{o}"] = float(v)
+        for key in ("duration_mean", "distance_min", "distance_mean"):
+            if s.get(key) is not None:
+                out[f"options/{key}"] = float(s[key])
+        return out
