@@ -41,9 +41,15 @@ class Roles:
             out += ["--set", f"network.{k}={v}"]
         return out
 
-    def start(self, role: str, *extra: str, name: Optional[str] = None) -> subprocess.Popen:
+    def start(
+        self, role: str, *extra: str, name: Optional[str] = None, env: Optional[Dict[str, str]] = None
+    ) -> subprocess.Popen:
+        """``env``: variables added to this process's environment (e.g. PYTHONPATH for a fake backend)."""
         log = open(self.tmp / f"{name or role}.log", "wb")
-        p = subprocess.Popen(ZCLAW + [role] + self.args() + list(extra), stdout=log, stderr=subprocess.STDOUT)
+        p = subprocess.Popen(
+            ZCLAW + [role] + self.args() + list(extra), stdout=log, stderr=subprocess.STDOUT,
+            env=None if env is None else {**os.environ, **env},
+        )
         self.procs.append(p)
         return p
 

@@ -92,8 +92,15 @@ SCHEMA: Dict[str, Dict[str, Key]] = {
         "envs": Key(16, "environments stepped by each worker", min=1),
         "segment_length": Key(64, "steps T per segment (a segment holds T x envs transitions)", min=1),
         "send_queue": Key(8, "segments a worker holds while the broker is slow or gone (backpressure)", min=1),
-        "gpu": Key(-1, "inference device: -1 for CPU, N for cuda:N", min=-1),
+        "gpu": Key(-1, "device of inference and of GPU simulators: -1 for CPU, N for cuda:N (isaacgym: sim device, "
+                   "rl device and graphics device id N)", min=-1),
         "threads": Key(1, "torch CPU threads per worker", min=1),
+        "vectorize": Key(
+            "loop", "gym: backend: step the envs in a loop in the worker, or in subprocesses (slow envs such as "
+            "Fetch and ShadowHand, ~1k steps/s per core)", choices=("loop", "subprocess"),
+        ),
+        "env_processes": Key(0, "subprocesses for worker.vectorize = subprocess (0: one per CPU core, at most envs)",
+                             min=0),
     },
     "broker": {
         "capacity": Key(64, "segments the store holds (preallocated ring)", min=1),
@@ -106,9 +113,19 @@ SCHEMA: Dict[str, Dict[str, Key]] = {
         "priority_alpha": Key(0.6, "prioritized mode: priority exponent alpha", min=0, max=1),
         "priority_beta": Key(0.4, "prioritized mode: importance-weight exponent beta", min=0, max=1),
         "retry_ms": Key(20, "how long the broker tells a learner to wait when no batch is ready", min=1),
+        "snapshot_s": Key(30.0, "seconds between store snapshots in RUN_DIR/snapshots (written off the broker's "
+                          "loop, see snapshot_mode, so ingest goes on; also on SIGTERM; needs --run-dir; 0: off). A broker crash loses at "
+                          "most this much ingest", min=0),
+        "snapshot_mode": Key("thread", "how periodic snapshots are written without stopping ingest: from a thread "
+                             "(the store's state is taken in the loop, by reference), or a forked child "
+                             "(copy-on-write)", choices=("thread", "fork")),
+        "option_balanced": Key(False, "queue/uniform modes: draw segments with weight sum_o n_o(seg) / n_o(store), "
+                               "so segments rich in rarely used options are sampled more"),
     },
     "learner": {
         "batch_segments": Key(4, "segments per batch request", min=1),
+        "prefetch": Key(2, "batch requests kept in flight, so the next batch arrives while one trains (1: none)",
+                        min=1, max=16),
         "epochs": Key(4, "passes over each batch", min=1),
         "minibatches": Key(4, "minibatches per pass", min=1),
         "lr": Key(3e-4, "Adam learning rate", min=0),
@@ -124,6 +141,22 @@ SCHEMA: Dict[str, Dict[str, Key]] = {
         "threads": Key(1, "torch CPU threads of the learner", min=1),
         "device": Key("cpu", "torch device of the learner (cpu, cuda, cuda:N)"),
         "tensorboard": Key(True, "write TensorBoard scalars under the run directory"),
+        "mode": Key("dac", "option learning rule for K > 1: dac (PPO-clip on the call-and-return policy) or "
+                    "ppoc (master policy gradient + termination loss)", choices=("dac", "ppoc")),
+        "master_coef": Key(1.0, "coefficient of the option-level policy loss (DAC high MDP, PPOC master)", min=0),
+        "master_ent_coef": Key(0.01, "entropy bonus on the policy over options pi_Omega", min=0),
+        "termination_coef": Key(0.5, "ppoc: coefficient of the termination loss", min=0),
+        "xi": Key(0.01, "ppoc: termination regulariser added to Q(s', o) - V(s') (favours longer options)"),
+        "deliberation_cost": Key(0.0, "reward subtracted at every option switch that is not an episode start "
+                                 "(Harb et al. 2018; K > 1)", min=0),
+        "option_weights": Key(False, "weight intra-option loss terms so every option present in a batch has "
+                              "equal total weight (from each option's share of the data)"),
+        "option_max_weight": Key(10.0, "cap on a sample's per-option loss weight", min=1),
+        "student_lr": Key(1e-3, "Adam learning rate of the distilled student (its own optimiser; 0: off)", min=0),
+        "health_collapse_duration": Key(1.5, "warn when the mean option duration falls below this many steps "
+                                        "(options terminating every step)", min=1),
+        "health_dominant_share": Key(0.95, "warn when one option takes more than this share of the steps",
+                                     min=0, max=1),
     },
     "policy": {
         "hidden": Key([64, 64], "hidden layer sizes of the actor and critic MLPs", type=list),
@@ -137,6 +170,21 @@ SCHEMA: Dict[str, Dict[str, Key]] = {
         "level": Key("info", "log level", choices=("debug", "info", "warning", "error")),
         "format": Key("auto", "console on a TTY, JSON lines otherwise", choices=("auto", "console", "json")),
         "status_s": Key(10.0, "seconds between status log lines of each role", min=0.1),
+        "metrics_s": Key(2.0, "seconds between the learner's lines in RUN_DIR/metrics.jsonl and its broker/worker "
+                         "TensorBoard scalars (0: off); `zclaw plot` reads metrics.jsonl", min=0),
+    },
+    "security": {  # resolved per role by zclaw/security.py; docs/multihost.md explains the layout
+        "keys_dir": Key("", "directory made by `zclaw keys generate`; set: CURVE encryption and the client "
+                        "allowlist on every socket (each role picks its files by name)"),
+        "name": Key("", "name of this process's client key pair (empty: learner, worker<index>, or tools for "
+                    "status tools and the launcher)"),
+        "server_secret": Key("", "secret cert of this server (empty: KEYS_DIR/private/<broker|learner>.key_secret)"),
+        "client_secret": Key("", "secret cert this process connects with (empty: KEYS_DIR/private/<name>.key_secret)"),
+        "broker_public": Key("", "public cert of the broker (empty: KEYS_DIR/servers/broker.key)"),
+        "learner_public": Key("", "public cert of the learner (empty: KEYS_DIR/servers/learner.key)"),
+        "allowed_clients": Key("", "directory of client public certs the servers admit (empty: KEYS_DIR/allowed); "
+                               "read at start"),
+        "insecure": Key(False, "allow binding beyond loopback without CURVE (`--insecure`); logs a warning"),
     },
 }
 

