@@ -102,6 +102,20 @@ def test_bandit_moves_the_mean_action_toward_the_best_action() -> None:
     assert m["loss/value"] < first_value_loss  # the critic learned the reward level
 
 
+def test_target_kl_stops_the_epochs_early_and_zero_runs_them_all() -> None:
+    spec = spec_of(1, 1)
+    steps = {}
+    for target in (0.0, 1e-9):
+        torch.manual_seed(0)
+        rng = np.random.default_rng(0)
+        model = make_model(spec, hidden=[16])
+        trainer = Trainer(model, learner_cfg(lr=3e-3, epochs=3, minibatches=4, target_kl=target), "cpu")
+        m = trainer.update(bandit_batch(model, spec, rng), 0)
+        steps[target] = (m["sgd_steps"], m["kl_stopped"])
+    assert steps[0.0] == (12.0, 0.0)  # 3 epochs x 4 minibatches
+    assert steps[1e-9] == (1.0, 1.0)  # the first step moved the policy past any tiny KL: stop before the second
+
+
 def test_metrics_and_priorities() -> None:
     torch.manual_seed(1)
     spec = spec_of(3, 2)

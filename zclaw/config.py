@@ -137,6 +137,8 @@ SCHEMA: Dict[str, Dict[str, Key]] = {
         "vf_coef": Key(0.5, "value loss coefficient", min=0),
         "ent_coef": Key(0.0, "entropy bonus coefficient", min=0),
         "max_grad_norm": Key(0.5, "gradient norm clip", min=0),
+        "target_kl": Key(0.05, "stop a batch's epochs once a minibatch's KL from the behaviour policy exceeds "
+                              "1.5 x this (0: off)", min=0),
         "checkpoint_s": Key(30.0, "seconds between checkpoints", min=1),
         "threads": Key(1, "torch CPU threads of the learner", min=1),
         "device": Key("cpu", "torch device of the learner (cpu, cuda, cuda:N)"),

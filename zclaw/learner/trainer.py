@@ -257,8 +257,12 @@ class Trainer:
         rho_bar = float(c["rho_bar"])
         sums: Dict[str, float] = {k: 0.0 for k in LOSS_KEYS}
         count = 0
+        kl_stop = 1.5 * float(c.get("target_kl", 0.0))  # SB3's rule: stop once a minibatch is this far off
+        stopped = False
         model.train()
         for _ in range(int(c["epochs"])):
+            if stopped:
+                break
             perm = torch.randperm(S, device=self.device)
             for idx in torch.chunk(perm, n_mb):
                 mb = {k: v[idx] for k, v in flat.items()}
@@ -266,6 +270,12 @@ class Trainer:
                 w_low = w * mb["w_opt"] if "w_opt" in mb else w
                 adv = losses.normalize(mb["adv"])
                 logp_new, log_std = self._logp(mb["x"], mb["option"], mb["action"])
+                if kl_stop > 0 and count > 0:
+                    with torch.no_grad():  # KL from the behaviour policy (k3 estimator), before this step
+                        lr_ = logp_new - mb["logp_mu"]
+                        if float(((lr_.exp() - 1) - lr_).mean()) > kl_stop:
+                            stopped = True
+                            break
                 v_new = self._values(mb["x"], mb["option"])
                 pg = losses.weighted_mean(losses.ppo_clip_loss(logp_new, mb["logp_mu"], adv, clip), w_low)
                 vl = losses.weighted_mean(losses.value_loss(v_new, mb["vs"]), w_low)
@@ -300,6 +310,8 @@ class Trainer:
                 count += 1
 
         metrics: Dict[str, Any] = {k: (v / count if count else float("nan")) for k, v in sums.items()}
+        metrics["sgd_steps"] = float(count)
+        metrics["kl_stopped"] = float(stopped)
         metrics.update(self._batch_metrics(p))
         metrics["priorities"] = [float(v) for v in p["priorities"].cpu()]
         return metrics
