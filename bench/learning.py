@@ -105,11 +105,8 @@ SB3_SCRIPT = r"""
 import json, sys, time
 t0 = float(sys.argv[4])
 import gymnasium as gym
-try:
-    import gymnasium_robotics  # noqa: F401  (registers Fetch)
-    gym.register_envs(gymnasium_robotics)
-except Exception:
-    pass
+from zclaw.envs.robotics import prepare  # registers Fetch/hand ids and patches the mujoco>=3.12 comparison
+prepare(sys.argv[1])
 from stable_baselines3 import PPO
 from stable_baselines3.common.callbacks import BaseCallback
 from stable_baselines3.common.env_util import make_vec_env
@@ -126,8 +123,8 @@ class Log(BaseCallback):
             self.last = now
             buf = list(self.model.ep_info_buffer)
             if buf:
-                r = sum(e["r"] for e in buf) / len(buf)
-                s = [e["is_success"] for e in buf if "is_success" in e]
+                r = float(sum(e["r"] for e in buf) / len(buf))
+                s = [float(e["is_success"]) for e in buf if "is_success" in e]
                 print(json.dumps({"t": now - t0, "return": r, "success": (sum(s) / len(s)) if s else None}), flush=True)
         return now - t0 < cap
 PPO("MlpPolicy", venv, seed=seed, verbose=0, device="cpu").learn(10**9, callback=Log())

@@ -97,13 +97,10 @@ def e2e_rates(envs: int, gpu: int, window: float, T: int, tmp: Path) -> Dict[str
         procs.append(subprocess.Popen(base + [role] + common + list(extra), stdout=log, stderr=subprocess.STDOUT))
 
     def wait(client: StatusClient, pred: Any, timeout: float) -> Dict[str, Any]:
-        deadline, rep = time.monotonic() + timeout, None
-        while time.monotonic() < deadline:
-            rep = client.report()
-            if rep is not None and pred(rep):
-                return rep
-            time.sleep(0.5)
-        raise RuntimeError(f"not reached in {timeout:.0f} s; last report {rep}; logs in {tmp}")
+        reached, rep = client.wait_until(pred, timeout, interval=0.5)
+        if not reached:
+            raise RuntimeError(f"not reached in {timeout:.0f} s; last report {rep}; logs in {tmp}")
+        return rep
 
     try:
         start("broker")

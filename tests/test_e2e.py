@@ -54,14 +54,10 @@ class Roles:
         return p
 
     def wait(self, client: StatusClient, pred: Any, timeout: float = 60) -> Dict[str, Any]:
-        deadline = time.monotonic() + timeout
-        rep = None
-        while time.monotonic() < deadline:
-            rep = client.report()
-            if rep is not None and pred(rep):
-                return rep
-            time.sleep(0.2)
-        raise AssertionError(f"condition not reached in {timeout}s; last report {rep}")
+        reached, rep = client.wait_until(pred, timeout)
+        if not reached:
+            raise AssertionError(f"condition not reached in {timeout}s; last report {rep}")
+        return rep
 
     def close(self) -> None:
         for p in self.procs:

@@ -12,7 +12,7 @@ import sys
 import threading
 import types
 from pathlib import Path
-from typing import Any, Dict, Iterator, List
+from typing import Any, Iterator, List
 
 import numpy as np
 import pytest

@@ -15,7 +15,7 @@ import subprocess
 import sys
 import time
 from pathlib import Path
-from typing import Any, Dict, List, Optional
+from typing import Any, Callable, Dict, List, Optional, Tuple
 
 import zmq
 
@@ -99,6 +99,18 @@ class StatusClient:
     def report(self) -> Optional[Dict[str, Any]]:
         msg = self.pirate.request(make("status"), kinds=("status",))
         return None if msg is None else msg.get("report")
+
+    def wait_until(
+        self, pred: Callable[[Dict[str, Any]], bool], timeout: float, interval: float = 0.2
+    ) -> Tuple[bool, Optional[Dict[str, Any]]]:
+        """Poll the report until ``pred`` holds or ``timeout`` passes; return (reached, last report)."""
+        deadline, rep = time.monotonic() + timeout, None
+        while time.monotonic() < deadline:
+            rep = self.report()
+            if rep is not None and pred(rep):
+                return True, rep
+            time.sleep(interval)
+        return False, rep
 
     def close(self) -> None:
         self.pirate.close()

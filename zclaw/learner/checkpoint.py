@@ -13,7 +13,6 @@ lists, dicts), so loading never runs arbitrary pickled code.
 from __future__ import annotations
 
 import io
-import os
 import random
 from pathlib import Path
 from typing import Any, Dict, Mapping, Optional, Union

@@ -15,7 +15,7 @@ pi_hat(o|s, o_prev) = (1 - beta)[o = o_prev] + beta pi_Omega(o|s) (DAC, Zhang & 
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Any, Dict, List, Mapping, Optional, Sequence
+from typing import Any, Dict, List, Mapping, Sequence
 
 import math
 import numpy as np
