@@ -24,7 +24,16 @@ class Server(threading.Thread):
         super().__init__(daemon=True)
         self.sock = ctx.socket(zmq.ROUTER)
         self.sock.setsockopt(zmq.LINGER, 0)
-        self.sock.bind(f"tcp://127.0.0.1:{port}")
+        deadline = time.monotonic() + 5
+        while True:  # a listener closed a moment ago is released by ZeroMQ's I/O thread asynchronously
+            try:
+                self.sock.bind(f"tcp://127.0.0.1:{port}")
+                break
+            except zmq.ZMQError as exc:
+                if exc.errno != zmq.EADDRINUSE or time.monotonic() > deadline:
+                    self.sock.close(0)
+                    raise
+                time.sleep(0.05)
         self.hold, self.answer = hold, answer
         self.seen: List[int] = []
         self.max_queued = 0
@@ -67,10 +76,12 @@ def test_a_silent_peer_is_replaced_and_outstanding_requests_are_sent_again() -> 
     mute = Server(ctx, port, answer=False)
     mute.start()
     client = CreditPirate(ctx, f"tcp://127.0.0.1:{port}", credit=2, timeout_ms=300, retries=None)
+    done = threading.Event()  # ends the client's retries if the test fails before the peer comes back
+    result = {}
+    ask = make("retry", reason="q", retry_ms=7)
+    t = threading.Thread(target=lambda: result.setdefault("r", client.exchange(ask, stop=done.is_set)),
+                         daemon=True)
     try:
-        result = {}
-        ask = make("retry", reason="q", retry_ms=7)
-        t = threading.Thread(target=lambda: result.setdefault("r", client.exchange(ask)))
         t.start()
         deadline = time.monotonic() + 5
         while len(mute.seen) < 2 and time.monotonic() < deadline:
@@ -84,7 +95,7 @@ def test_a_silent_peer_is_replaced_and_outstanding_requests_are_sent_again() -> 
         assert live.seen[:2] == [7, 7]  # the fresh socket asked both outstanding requests again
         live.stop.set(); live.join()
     finally:
-        client.close(); ctx.term()
+        done.set(); t.join(5); client.close(); ctx.term()
 
 
 def test_retries_used_up_returns_none() -> None:
