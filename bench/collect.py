@@ -29,6 +29,7 @@ import zmq
 
 from zclaw import config
 from zclaw.envs import make_env
+from zclaw.launch import stop_processes
 from zclaw.policy.networks import OptionPolicy
 from zclaw.policy.weights import policy_config, weights_message
 from zclaw.wire import bind, make_socket, parse, segment_dims
@@ -167,13 +168,8 @@ def main() -> int:
                   f"ratio {worker_rates[-1] / bare_rates[-1]:.3f}", flush=True)
     finally:
         if proc.poll() is None:
-            proc.send_signal(signal.SIGCONT)
-            proc.send_signal(signal.SIGTERM)
-            try:
-                proc.wait(10)
-            except subprocess.TimeoutExpired:
-                proc.kill()
-                proc.wait()
+            proc.send_signal(signal.SIGCONT)  # it may be paused between rounds
+        stop_processes([proc], 10)
         stand.close()
         ctx.term()
         env.close()

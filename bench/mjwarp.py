@@ -17,7 +17,6 @@ from __future__ import annotations
 
 import argparse
 import json
-import signal
 import subprocess
 import sys
 import tempfile
@@ -30,7 +29,7 @@ import zmq
 
 from zclaw import config
 from zclaw.envs import make_env
-from zclaw.launch import StatusClient, free_port
+from zclaw.launch import StatusClient, free_port, stop_processes
 from zclaw.policy.networks import OptionPolicy
 from zclaw.policy.weights import policy_config
 from zclaw.wire import tcp
@@ -118,14 +117,7 @@ def e2e_rates(envs: int, gpu: int, window: float, T: int, tmp: Path) -> Dict[str
             "versions_per_s": (l1["version"] - l0["version"]) / dt,
         }
     finally:
-        for p in procs[::-1]:
-            if p.poll() is None:
-                p.send_signal(signal.SIGTERM)
-        for p in procs:
-            try:
-                p.wait(20)
-            except subprocess.TimeoutExpired:
-                p.kill()
+        stop_processes(procs[::-1], 20)
         broker.close()
         learner.close()
         ctx.term()

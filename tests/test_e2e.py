@@ -3,7 +3,6 @@ from __future__ import annotations
 
 import json
 import os
-import signal
 import subprocess
 import sys
 import time
@@ -13,7 +12,7 @@ from typing import Any, Dict, List, Optional
 import pytest
 import zmq
 
-from zclaw.launch import StatusClient, free_port
+from zclaw.launch import StatusClient, free_port, stop_processes
 from zclaw.wire import tcp
 
 ZCLAW = [sys.executable, "-m", "zclaw.cli"]
@@ -60,14 +59,7 @@ class Roles:
         return rep
 
     def close(self) -> None:
-        for p in self.procs:
-            if p.poll() is None:
-                p.send_signal(signal.SIGTERM)
-        for p in self.procs:
-            try:
-                p.wait(15)
-            except subprocess.TimeoutExpired:
-                p.kill()
+        stop_processes(self.procs, 15)
         self.broker.close()
         self.learner.close()
         self.ctx.term()

@@ -11,7 +11,6 @@ bounded window.
 from __future__ import annotations
 
 import os
-import signal
 import subprocess
 import sys
 import time
@@ -27,6 +26,7 @@ from synthetic import random_segment
 from test_broker import SPEC, BrokerProc, assert_same_segment, free_port
 
 from zclaw import __version__
+from zclaw.launch import stop_processes
 from zclaw.wire import SCHEMAS, Segment, make, parse
 
 pytestmark = pytest.mark.slow
@@ -344,10 +344,5 @@ def test_fuzz_broker_and_learner_drop_exactly_the_bad_and_keep_good_data(tmp_pat
         broker.stop()
     finally:
         broker.kill()
-        if learner.poll() is None:
-            learner.send_signal(signal.SIGTERM)
-            try:
-                learner.wait(20)
-            except subprocess.TimeoutExpired:
-                learner.kill()
+        stop_processes([learner], 20)
         learner_log.close()

@@ -309,26 +309,26 @@ def eval_cmd(
                 raise ValueError
         except ValueError:
             raise click.UsageError(f"--size = {size!r} is not allowed: expected WIDTHxHEIGHT, even, >= 16") from None
+    from .fileio import finite_json
     from .learner.checkpoint import CheckpointError
     from .tools import evaluate as ev
 
     policies = ("teacher", "student") if which == "both" else (which,)
     try:
-        rep = ev.evaluate(Path(path), episodes, seed, env_id, policies, progress=_progress_enabled())
+        model, state = ev.load_policy(Path(path))
+        rep = ev.evaluate(Path(path), episodes, seed, env_id, policies, progress=_progress_enabled(),
+                          loaded=(model, state))
         if video is not None:
             from .tools.video import record
 
-            model, state = ev.load_policy(Path(path))
             spec = dict(state["spec"], env_id=env_id or state["spec"]["env_id"])
-            if video_policy == "student" and not ev.has_student(model):
-                raise ValueError("--video-policy student: this checkpoint has no student_act")
             out, n = record(model, spec, Path(video), frames=frames, who=video_policy, seed=seed, width=width,
                             height=height, fps=fps)
             rep["video"] = {"path": str(out), "frames": n, "policy": video_policy}
     except (CheckpointError, ValueError) as exc:
         raise click.ClickException(str(exc)) from None
     if as_json:
-        click.echo(json.dumps(ev._finite(rep), indent=2, sort_keys=True))
+        click.echo(json.dumps(finite_json(rep), indent=2, sort_keys=True))
     else:
         click.echo(ev.format_report(rep))
         if "video" in rep:

@@ -7,10 +7,22 @@ survives a power cut. A crash mid-write leaves only a ``.<name>.*.tmp`` file, wh
 """
 from __future__ import annotations
 
+import math
 import os
 import tempfile
 from pathlib import Path
-from typing import BinaryIO, Callable, List
+from typing import Any, BinaryIO, Callable, List
+
+
+def finite_json(x: Any) -> Any:
+    """Replace NaN/inf by None, recursively, so a report is valid JSON (and msgpack) as written."""
+    if isinstance(x, float):
+        return x if math.isfinite(x) else None
+    if isinstance(x, dict):
+        return {k: finite_json(v) for k, v in x.items()}
+    if isinstance(x, (list, tuple)):
+        return [finite_json(v) for v in x]
+    return x
 
 
 def atomic_write(path: Path, write: Callable[[BinaryIO], None]) -> None:

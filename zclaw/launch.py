@@ -15,7 +15,7 @@ import subprocess
 import sys
 import time
 from pathlib import Path
-from typing import Any, Callable, Dict, List, Optional, Tuple
+from typing import Any, Callable, Dict, List, Optional, Sequence, Tuple
 
 import zmq
 
@@ -45,6 +45,20 @@ def _set_pdeathsig() -> None:  # runs in the child between fork and exec
         pass
 
 
+def stop_processes(procs: Sequence[subprocess.Popen], timeout: float) -> List[Optional[int]]:
+    """SIGTERM every live process at once, wait up to ``timeout`` for each, SIGKILL what is left; exit codes."""
+    for p in procs:
+        if p.poll() is None:
+            p.send_signal(signal.SIGTERM)
+    for p in procs:
+        try:
+            p.wait(timeout)
+        except subprocess.TimeoutExpired:
+            p.kill()
+            p.wait()
+    return [p.returncode for p in procs]
+
+
 class Child:
     """One role process and its log file."""
 
@@ -70,14 +84,7 @@ class Child:
         """SIGTERM, wait up to ``timeout``, then SIGKILL; return the exit code."""
         if self.proc is None:
             return None
-        if self.proc.poll() is None:
-            self.proc.send_signal(signal.SIGTERM)
-            try:
-                self.proc.wait(timeout)
-            except subprocess.TimeoutExpired:
-                self.proc.kill()
-                self.proc.wait()
-        return self.proc.returncode
+        return stop_processes([self.proc], timeout)[0]
 
     def log_tail(self, lines: int = 15) -> str:
         try:

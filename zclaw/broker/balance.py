@@ -15,8 +15,6 @@ when ``broker.option_balanced`` is on (``prioritized`` has its own distribution)
 """
 from __future__ import annotations
 
-from typing import Optional
-
 import numpy as np
 
 
@@ -29,7 +27,7 @@ class OptionBalancer:
 
     def insert(self, slot: int, option: np.ndarray) -> None:
         """Record the option counts of the segment now in ``slot`` (``option`` [T, N], integers >= 0)."""
-        c = np.bincount(np.asarray(option, dtype=np.int64).ravel().clip(min=0))
+        c = np.bincount(np.ravel(option))  # segment_dims already refused negative options
         if c.shape[0] > self.counts.shape[1]:
             grown = np.zeros((self.capacity, c.shape[0]), dtype=np.int64)
             grown[:, : self.counts.shape[1]] = self.counts
@@ -46,10 +44,10 @@ class OptionBalancer:
         s = w.sum()
         return w / s if s > 0 else np.full(len(slots), 1.0 / max(len(slots), 1))
 
-    def choose(self, slots: np.ndarray, n: int, rng: np.random.Generator, p: Optional[np.ndarray] = None) -> np.ndarray:
+    def choose(self, slots: np.ndarray, n: int, rng: np.random.Generator) -> np.ndarray:
         """``n`` distinct slots drawn with probability ``P(s)`` (sequentially, without replacement)."""
         slots = np.asarray(slots, dtype=np.int64)
-        probs = self.weights(slots) if p is None else p
+        probs = self.weights(slots)
         nz = int((probs > 0).sum())
         if nz < n:  # fewer weighted segments than asked: fill up with the rest, uniformly
             probs = probs + (1e-12 if nz else 1.0) / len(slots)

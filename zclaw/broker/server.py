@@ -7,7 +7,7 @@ The loop, in one thread::
         poll both sockets, 100 ms timeout (so a signal is seen within 100 ms)
         serve ready  -> answer every waiting request: sample -> batch | retry, status -> status,
                         anything else -> error (a REQ client must get *some* reply, or it is stuck)
-        ingest ready -> take up to INGEST_BURST messages: size check, parse, validate, copy into the
+        ingest ready -> take up to INGEST_BURST messages: size check, parse, validate, keep in the
                         store; then back to the poll, so requests are never starved by a flood
         every log.status_s -> one status log line
     close both sockets (linger 0) and exit 0
@@ -18,8 +18,8 @@ reply is ``retry`` with a reason (``min_size``, ``rate_limited``, ``not_enough_d
 
 Every message that is not fully understood is dropped and counted by cause (its
 :class:`~zclaw.wire.protocol.WireError` cause, or ``oversize``, ``no_spec``, ``bad_spec``); counting
-happens before anything reaches the store, which copies a segment in only after it passed every
-check, so hostile input can neither crash the broker nor change stored data.
+happens before anything reaches the store, which takes a segment only after it passed every check,
+so hostile input can neither crash the broker nor change stored data.
 
 Oversize messages. ``ZMQ_MAXMSGSIZE`` makes libzmq *disconnect* a peer that sends a larger frame;
 the message never reaches us, so it could not be counted. The sockets therefore get

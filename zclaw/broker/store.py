@@ -1,11 +1,11 @@
-"""The broker's store: a preallocated ring of segments and the three ways to sample it.
+"""The broker's store: a ring of ``capacity`` segment slots and the three ways to sample it.
 
-Layout: one numpy array per field of :data:`zclaw.wire.messages.SEGMENT_ARRAYS`, with a leading
-``capacity`` axis (``obs`` is ``[capacity, T+1, N, *obs_shape]``), allocated when the first segment is
-accepted, which fixes T and N for the run (the broker cannot know them before). The sparse
-truncation data (``final_obs``/``final_at``, a few rows per segment) is kept per slot as small copies.
-Preallocating means an insert is a ``memcpy`` into place, never an allocation, and memory use is
-known when the first segment lands.
+Layout: one :class:`~zclaw.broker.slots.SlotRing` per field of :data:`zclaw.wire.messages.SEGMENT_ARRAYS`,
+indexed like a ``[capacity, T+1, N, ...]`` array, made when the first segment is accepted, which fixes T
+and N for the run (the broker cannot know them before). A slot holds read-only references to the
+buffers the segment arrived in: no copy on insert, none on sample (a batch is sent from those buffers),
+and memory is bounded by ``capacity`` segments of that one shape. The sparse truncation data
+(``final_obs``/``final_at``, a few rows per segment) is kept per slot as small copies.
 
 Keys: every insert gets the next integer key (0, 1, 2, ...); it lives in slot ``key % capacity``. A
 key is never reused, so a priority update that names a key that was evicted or used up is simply
@@ -213,9 +213,8 @@ class Store:
         slots = np.flatnonzero(self._key >= 0)
         arrays: Dict[str, np.ndarray] = {"slot": slots, "key": self._key[slots], "uses": self._uses[slots],
                                          "min_version": self._min_version[slots]}
-        for name, data in self._data.items():  # slots by reference where the ring can: no copy of the store
-            parts = getattr(data, "parts", None)
-            arrays["data." + name] = parts(slots) if parts is not None and len(slots) else data[slots]
+        for name, data in self._data.items():  # slots by reference: no copy of the store (empty: a typed array)
+            arrays["data." + name] = data.parts(slots) if len(slots) else data[slots]
         counts = [0 if self._final_at[s] is None else len(self._final_at[s]) for s in slots]
         arrays["final_count"] = np.asarray(counts, dtype=np.int64)
         fo = [self._final_obs[s] for s in slots if self._final_obs[s] is not None]

@@ -93,10 +93,11 @@ def flattener(space: spaces.Space) -> Flattener:
     return flat_other
 
 
-def _make_one(name: str) -> gym.Env:
+def make_one(name: str, **kwargs: Any) -> gym.Env:
+    """``gym.make(name, **kwargs)`` with robotics ids prepared and clear errors (the worker and the video tool)."""
     robotics.prepare(name)  # registers gymnasium-robotics ids, patches its mujoco>=3.12 enum comparison
     try:
-        return gym.make(name)
+        return gym.make(name, **kwargs)
     except gym_error.DependencyNotInstalled as exc:
         raise BackendUnavailable(
             f"gym env {name!r} needs a package that is not installed ({exc}); "
@@ -121,7 +122,7 @@ class GymBatchedEnv:
         self.envs: List[gym.Env] = []
         try:
             for _ in range(self.num_envs):
-                self.envs.append(_make_one(name))
+                self.envs.append(make_one(name))
             env0 = self.envs[0]
             act_space = env0.action_space
             if not isinstance(act_space, spaces.Box):

@@ -56,10 +56,6 @@ def set_rng_state(state: Mapping[str, Any]) -> None:
     random.setstate((p[0], tuple(p[1]), p[2]))
 
 
-def _atomic_write(path: Path, data: bytes) -> None:
-    atomic_write(path, lambda f: f.write(data))
-
-
 def save(
     directory: Union[str, Path],
     model: OptionPolicy,
@@ -92,8 +88,8 @@ def save(
     torch.save(state, buf)
     data = buf.getvalue()
     numbered = directory / f"ckpt-{int(version):08d}.pt"
-    _atomic_write(numbered, data)
-    _atomic_write(directory / LATEST, data)
+    atomic_write(numbered, lambda f: f.write(data))
+    atomic_write(directory / LATEST, lambda f: f.write(data))
     old = sorted(directory.glob("ckpt-*.pt"))
     for p in old[:-KEEP]:
         try:

@@ -42,6 +42,7 @@ import zmq
 from ..stopping import EXIT_REFUSED, install_stop_signals
 
 from .. import __version__, logs
+from ..fileio import atomic_write, finite_json
 from ..policy.networks import OptionPolicy
 from ..policy.weights import policy_config, weights_message
 from ..wire import (
@@ -56,17 +57,6 @@ from .trainer import Trainer
 
 PUB_HWM = 4  # weights messages are large and only the newest matters: never queue many
 RATE_WINDOW_S = 30.0
-
-
-def _finite(x: Any) -> Any:
-    """Replace NaN/inf by None, recursively, so reports are valid JSON as well as msgpack."""
-    if isinstance(x, float):
-        return x if math.isfinite(x) else None
-    if isinstance(x, dict):
-        return {k: _finite(v) for k, v in x.items()}
-    if isinstance(x, (list, tuple)):
-        return [_finite(v) for v in x]
-    return x
 
 
 class _Service(threading.Thread):
@@ -305,7 +295,7 @@ class Learner:
     def report(self) -> Dict[str, Any]:
         steps_s, updates_s = self._rates() if self.rates else (0.0, 0.0)
         succ = list(self.successes)
-        return _finite({
+        return finite_json({
             "role": "learner",
             "uptime_s": round(time.monotonic() - self.started, 3),
             "version": self.version,
@@ -422,7 +412,6 @@ class Learner:
                 batch_dims(reply, self.spec)
             except WireError as exc:
                 self.drops.drop(exc.cause, str(exc))
-                self.prio_keys, self.prios = [], []
                 continue
             t0 = time.monotonic()
             try:
@@ -430,7 +419,6 @@ class Learner:
             except Exception as exc:  # a batch that breaks the update must not end the run
                 self.log.exception("update failed; batch dropped", error=str(exc))
                 self.drops.drop("train_error", str(exc))
-                self.prio_keys, self.prios = [], []
                 continue
             self.version = int(self.version) + 1
             self.prio_keys = list(reply["keys"])
@@ -467,7 +455,7 @@ class Learner:
                             for k, w in (b.get("workers") or {}).items()},
             }
             with open(self.run_dir / "metrics.jsonl", "a") as f:
-                f.write(json.dumps(_finite(line), sort_keys=True) + "\n")
+                f.write(json.dumps(finite_json(line), sort_keys=True) + "\n")
             if self.writer is not None and b:
                 g, w = self.steps_consumed, self.writer
                 w.add_scalar("throughput/broker_insert_steps_per_s", float(b.get("insert_rate") or 0.0), g)
@@ -530,11 +518,10 @@ class Learner:
         if float(self.cfg["log"].get("metrics_s", 0.0)) > 0:
             self.write_metrics(ask_broker=False)
         rep["returns_100"] = list(self.returns)
-        rep = _finite(rep)
+        rep = finite_json(rep)
         try:
-            tmp = self.run_dir / ".learner_final.json.tmp"
-            tmp.write_text(json.dumps(rep, indent=2, sort_keys=True))
-            tmp.replace(self.run_dir / "learner_final.json")
+            text = json.dumps(rep, indent=2, sort_keys=True).encode()
+            atomic_write(self.run_dir / "learner_final.json", lambda f: f.write(text))
         except OSError as exc:
             self.log.error("cannot write learner_final.json", error=str(exc))
         return rep

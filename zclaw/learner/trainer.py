@@ -270,12 +270,13 @@ class Trainer:
                 w_low = w * mb["w_opt"] if "w_opt" in mb else w
                 adv = losses.normalize(mb["adv"])
                 logp_new, log_std = self._logp(mb["x"], mb["option"], mb["action"])
-                if kl_stop > 0 and count > 0:
-                    with torch.no_grad():  # KL from the behaviour policy (k3 estimator), before this step
-                        lr_ = logp_new - mb["logp_mu"]
-                        if float(((lr_.exp() - 1) - lr_).mean()) > kl_stop:
-                            stopped = True
-                            break
+                with torch.no_grad():  # ratio to the behaviour policy before this step: the KL stop and metrics
+                    log_ratio = logp_new - mb["logp_mu"]
+                    ratio = log_ratio.exp()
+                    kl = float(((ratio - 1) - log_ratio).mean())  # k3 estimator, >= 0
+                if kl_stop > 0 and count > 0 and kl > kl_stop:
+                    stopped = True
+                    break
                 v_new = self._values(mb["x"], mb["option"])
                 pg = losses.weighted_mean(losses.ppo_clip_loss(logp_new, mb["logp_mu"], adv, clip), w_low)
                 vl = losses.weighted_mean(losses.value_loss(v_new, mb["vs"]), w_low)
@@ -298,11 +299,8 @@ class Trainer:
                     continue
                 self.optimizer.step()
 
-                with torch.no_grad():
-                    log_ratio = logp_new - mb["logp_mu"]
-                    ratio = log_ratio.exp()
-                    sums["approx_kl"] += float(((ratio - 1) - log_ratio).mean())  # k3 estimator, >= 0
-                    sums["clip_frac"] += float(((ratio - 1).abs() > clip).float().mean())
+                sums["approx_kl"] += kl
+                sums["clip_frac"] += float(((ratio - 1).abs() > clip).float().mean())
                 for k, v in terms.items():
                     sums[k] += float(v.detach()) if torch.is_tensor(v) else float(v)
                 sums["loss/total"] += float(loss.detach())

@@ -119,9 +119,16 @@ class OptionPolicy(nn.Module):
         log_master = torch.log_softmax(self.master_logits(x), -1)
         if self.K == 1:
             return torch.zeros_like(log_master)
-        beta = self.beta(x).gather(-1, prev_option.clamp(0, self.K - 1).unsqueeze(-1)).squeeze(-1)
-        beta = torch.where(start, torch.ones_like(beta), beta)
-        stay = torch.nn.functional.one_hot(prev_option.clamp(0, self.K - 1), self.K).to(x.dtype)
+        prev = prev_option.clamp(0, self.K - 1)
+        beta = self.beta(x).gather(-1, prev.unsqueeze(-1)).squeeze(-1)
+        return self.mix_call_and_return(log_master, beta, prev, start)
+
+    def mix_call_and_return(
+        self, log_master: torch.Tensor, beta_prev: torch.Tensor, prev: torch.Tensor, start: torch.Tensor
+    ) -> torch.Tensor:
+        """The formula of :meth:`call_and_return_logits` from heads already evaluated (``prev`` in range)."""
+        beta = torch.where(start, torch.ones_like(beta_prev), beta_prev)
+        stay = torch.nn.functional.one_hot(prev, self.K).to(log_master.dtype)
         probs = (1 - beta).unsqueeze(-1) * stay + beta.unsqueeze(-1) * log_master.exp()
         return torch.log(probs.clamp(min=1e-12))
 
@@ -160,7 +167,7 @@ class OptionPolicy(nn.Module):
                 picked = torch.distributions.Categorical(logits=log_master).sample()
             option_start = episode_start | fired
             option = torch.where(option_start, picked, prev)
-            logits = self.call_and_return_logits(x, prev, episode_start)
+            logits = self.mix_call_and_return(log_master, beta, prev, episode_start)  # no second MLP pass
             logp_option = logits.gather(-1, option.unsqueeze(-1)).squeeze(-1)
         mean = self.option_mean(x, option)
         log_std = self.log_std[option]

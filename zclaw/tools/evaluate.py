@@ -15,7 +15,6 @@ duration (steps from a pick to the next pick or the episode's end) and picks per
 """
 from __future__ import annotations
 
-import math
 from pathlib import Path
 from typing import Any, Callable, Dict, List, Optional, Tuple
 
@@ -41,11 +40,8 @@ def load_policy(path: Path) -> Tuple[OptionPolicy, Dict[str, Any]]:
     return model, state
 
 
-def has_student(model: OptionPolicy) -> bool:
-    return callable(getattr(model, "student_act", None))
-
-
-def _bounds(spec: Dict[str, Any]) -> Tuple[torch.Tensor, torch.Tensor]:
+def action_bounds(spec: Dict[str, Any]) -> Tuple[torch.Tensor, torch.Tensor]:
+    """The env spec's action bounds as float32 tensors (every tool clips to them the same way)."""
     return (torch.tensor(spec["action_low"], dtype=torch.float32),
             torch.tensor(spec["action_high"], dtype=torch.float32))
 
@@ -77,7 +73,7 @@ def run_episodes(
 
     if who not in ("teacher", "student"):
         raise ValueError(f"who = {who!r} is not allowed: expected 'teacher' or 'student'")
-    low, high = _bounds(spec)
+    low, high = action_bounds(spec)
     n_envs = max(1, min(episodes, MAX_ENVS))
     env = make_env(env_id, n_envs, seed, torch.device("cpu"))
     stats: List[Dict[str, Any]] = []
@@ -161,11 +157,14 @@ def summarise(stats: List[Dict[str, Any]], runs: List[Episode], K: int) -> Dict[
 def evaluate(
     path: Path, episodes: int = 10, seed: int = 12345, env_id: Optional[str] = None,
     policies: Tuple[str, ...] = ("teacher", "student"), progress: bool = False,
+    loaded: Optional[Tuple[OptionPolicy, Dict[str, Any]]] = None,
 ) -> Dict[str, Any]:
-    """The ``zclaw eval`` report: checkpoint facts, then one figures map per policy."""
+    """The ``zclaw eval`` report: checkpoint facts, then one figures map per policy.
+
+    ``loaded``: what :func:`load_policy` returned for ``path``, when the caller has it already."""
     if episodes < 1:
         raise ValueError(f"--episodes = {episodes} is not allowed: expected >= 1")
-    model, state = load_policy(path)
+    model, state = loaded if loaded is not None else load_policy(path)
     spec = dict(state["spec"])
     env_id = env_id or spec["env_id"]
     report: Dict[str, Any] = {
@@ -179,9 +178,6 @@ def evaluate(
         bar = tqdm(total=episodes * len(policies), unit="episode", desc="eval", dynamic_ncols=True)
     try:
         for who in policies:
-            if who == "student" and not has_student(model):
-                report[who] = {"error": "this zclaw has no OptionPolicy.student_act: no distilled student to run"}
-                continue
             if bar is not None:
                 bar.set_description(f"eval {who}")
             report[who] = run_episodes(model, spec, env_id, episodes, seed, who,
@@ -220,13 +216,3 @@ def format_report(rep: Dict[str, Any]) -> str:
     if "student_minus_teacher" in rep:
         lines.append(f"  student - teacher return: {rep['student_minus_teacher']:.3f}")
     return "\n".join(lines)
-
-
-def _finite(x: Any) -> Any:
-    if isinstance(x, float) and not math.isfinite(x):
-        return None
-    if isinstance(x, dict):
-        return {k: _finite(v) for k, v in x.items()}
-    if isinstance(x, list):
-        return [_finite(v) for v in x]
-    return x

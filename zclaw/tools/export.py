@@ -20,6 +20,7 @@ import torch
 from torch import nn
 
 from ..policy.networks import OptionPolicy
+from .evaluate import action_bounds
 
 META = "zclaw.json"
 
@@ -46,11 +47,8 @@ def export(
     seed: int = 0,
 ) -> Dict[str, Any]:
     """Trace, check and save the student; return the metadata written beside it (``zclaw.json``)."""
-    if not callable(getattr(policy, "student_act", None)):
-        raise ValueError("this checkpoint's OptionPolicy has no student_act: there is no student to export")
     policy = policy.eval()
-    low = torch.tensor(spec["action_low"], dtype=torch.float32)
-    high = torch.tensor(spec["action_high"], dtype=torch.float32)
+    low, high = action_bounds(spec)
     module = StudentModule(policy, low, high, clip).eval()
     obs_dim = int(policy.cfg.obs_dim)
     gen = torch.Generator().manual_seed(seed)

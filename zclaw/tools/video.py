@@ -109,10 +109,10 @@ def record(
     width: int = 320, height: int = 240, fps: int = 30,
 ) -> Tuple[Path, int]:
     """Render ``frames`` frames of ``who`` acting (episodes follow one another); return (path, frames)."""
-    import gymnasium as gym
     import imageio
 
-    from ..envs.gym_backend import flat_dim, flattener
+    from ..envs.gym_backend import flat_dim, flattener, make_one
+    from .evaluate import action_bounds
     from ..envs.registry import split_env_id
 
     prefix, name = split_env_id(spec["env_id"])
@@ -120,11 +120,10 @@ def record(
         raise ValueError(f"--video renders gym: MuJoCo envs only; {spec['env_id']!r} is a {prefix}: env")
     if frames < 1:
         raise ValueError(f"--frames = {frames} is not allowed: expected >= 1")
-    env = gym.make(name, render_mode="rgb_array", width=width, height=height)
+    env = make_one(name, render_mode="rgb_array", width=width, height=height)
     flat = flattener(env.observation_space)
     row = np.zeros(flat_dim(env.observation_space), dtype=np.float32)
-    low = torch.tensor(spec["action_low"], dtype=torch.float32)
-    high = torch.tensor(spec["action_high"], dtype=torch.float32)
+    low, high = action_bounds(spec)
     out = Path(out)
     if out.suffix.lower() != ".gif" and not ffmpeg_available():
         out = out.with_suffix(".gif")

@@ -10,6 +10,7 @@ from __future__ import annotations
 import hashlib
 import math
 from dataclasses import dataclass, field
+from functools import cached_property
 from typing import Any, Dict, List, Mapping, Optional, Sequence, Tuple
 
 import msgpack
@@ -157,7 +158,7 @@ class EnvSpec:
             raise WireError("bad_spec", "shapes must be positive")
         return spec
 
-    @property
+    @cached_property  # the spec is frozen; segments and batches compare it on the broker's hot path
     def hash(self) -> str:
         """A short digest that two roles compare to know they run the same env."""
         blob = msgpack.packb(self.to_dict(), use_bin_type=True)

@@ -42,7 +42,7 @@ from ..wire import DropCounter, LazyPirate, Message, Segment, WireError, make, m
 from ..wire.messages import EnvSpec
 from ..config import ConfigError
 from ..security import Security
-from ..stopping import EXIT_REFUSED
+from ..stopping import EXIT_REFUSED, install_stop_signals
 from .sender import Sender
 from .session import BrokerSession, Refused
 
@@ -149,10 +149,11 @@ class SegmentBuffer:
         finals = [(t, n, fo.to("cpu").numpy()) for t, n, fo in self.finals]
         if self.final_dense is not None or self.final_from_next:
             at = np.argwhere(out["truncated"])  # row-major: ordered by step, then env
-            src = self.final_dense if self.final_dense is not None else None
-            for t, n in at:
-                row = src[t, n].to("cpu").numpy() if src is not None else out["obs"][t + 1, n]
-                finals.append((int(t), int(n), row))
+            if self.final_dense is not None:  # one host copy of all rows (a boolean mask is row-major too)
+                rows = self.final_dense[torch.as_tensor(out["truncated"], device=self.device)].cpu().numpy()
+            else:
+                rows = out["obs"][at[:, 0] + 1, at[:, 1]]
+            finals.extend((int(t), int(n), row) for (t, n), row in zip(at, rows))
             finals.sort(key=lambda f: (f[0], f[1]))
         if finals:
             out["final_obs"] = np.stack([f for _, _, f in finals]).astype(np.float32, copy=False)
@@ -339,7 +340,6 @@ class Worker:
         self.high = torch.tensor(self.spec.action_high, dtype=torch.float32, device=device).reshape(
             self.spec.action_shape
         )
-        self._last_hello = 0.0
         self._last_status = time.monotonic()
         self._steps_at_status = 0
 
@@ -350,13 +350,10 @@ class Worker:
             zclaw=__version__, spec=self.spec.to_dict(),
         )
 
-    def heartbeat(self, force: bool = False) -> None:
+    def heartbeat(self) -> None:
         """The REQ heartbeat to the broker (``hello`` every :data:`HEARTBEAT_S`, answers collected without
-        blocking; raises :class:`Refused`), and with ``force`` a ``hello`` on the PUSH socket too."""
-        if force:
-            self.sender.hello()
+        blocking; raises :class:`Refused`)."""
         self.session.tick()
-        self._last_hello = time.monotonic()
 
     # -- weights -----------------------------------------------------------------------------------
     def apply(self, msg: Message) -> bool:
@@ -508,24 +505,10 @@ class Worker:
 # --------------------------------------------------------------------------------------------- main
 
 
-def _install_signals(stop: threading.Event) -> Dict[int, Any]:
-    """SIGINT/SIGTERM set ``stop`` (only possible from the main thread); returns the handlers replaced."""
-    previous: Dict[int, Any] = {}
-    if threading.current_thread() is not threading.main_thread():
-        return previous
-
-    def handler(signum: int, frame: Any) -> None:
-        stop.set()
-
-    for sig in (signal.SIGINT, signal.SIGTERM):
-        previous[sig] = signal.signal(sig, handler)
-    return previous
-
-
 def main(cfg: Dict[str, Dict[str, Any]], log: Any, index: int) -> int:
     """Run one worker until SIGINT/SIGTERM; 0 on a clean stop, 2 when it cannot start (device, env)."""
     stop = threading.Event()
-    previous = _install_signals(stop)
+    previous = install_stop_signals(stop)
     try:
         try:
             device = select_device(int(cfg["worker"]["gpu"]))
