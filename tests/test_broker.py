@@ -371,3 +371,73 @@ def test_sigterm_exits_cleanly_while_traffic_flows(start_broker) -> None:
     assert report["insert_rate"] > 0 and report["workers"]["w0-test"]["rate"] > 0
     w.close()
     broker.stop()
+
+
+@pytest.mark.parametrize("when_full", ["evict", "wait"])
+def test_when_full_evicts_or_holds_back_ingest(start_broker, when_full: str) -> None:
+    """A full store of never-sampled segments: ``evict`` overwrites and counts them; ``wait`` stops
+    reading ingest (nothing lost, nothing evicted) until the learner samples, then takes the rest in order."""
+    broker = start_broker('broker.mode="queue"', "broker.capacity=4", "broker.max_reuse=1",
+                          f'broker.when_full="{when_full}"')
+    rng = np.random.default_rng(3)
+    w = Worker(broker.ctx, broker.ingest_port)
+    w.hello()
+    sent = [w.segment(seg_arrays(rng, version=0)) for _ in range(10)]
+    if when_full == "evict":
+        report = broker.wait_for(lambda r: r["inserted_segments"] == 10, "all 10 inserted")
+        assert report["fill"] == 4 and report["drops"].get("evicted_unused") == 6
+        batch = broker.sample(4)
+        assert batch["seqs"] == [6, 7, 8, 9]  # the newest four: the oldest six were thrown away
+    else:
+        report = broker.wait_for(lambda r: r["inserted_segments"] == 4, "the store to fill")
+        time.sleep(0.5)  # segments 4..9 wait in the sockets, not in the store
+        report = broker.status()
+        assert report["inserted_segments"] == 4 and report["fill"] == 4
+        assert report["drops"].get("evicted_unused", 0) == 0
+        seen = []
+        for _ in range(2):
+            batch = broker.sample(4)
+            assert batch.kind == "batch"
+            seen += batch["seqs"]
+            broker.wait_for(lambda r: r["fill"] == 4 or r["inserted_segments"] == 10, "ingest to resume")
+        last = broker.sample(2)
+        seen += last["seqs"]
+        assert seen == list(range(10))  # every segment, in order, none evicted
+        assert_same_segment(last, 1, {k: v for k, v in sent[9].arrays.items()})
+        assert broker.status()["drops"].get("evicted_unused", 0) == 0
+    w.close()
+    broker.stop()
+
+
+def test_when_full_wait_never_holds_back_ingest_while_the_rate_limiter_refuses_the_learner() -> None:
+    """Reverb's deadlock, refused by construction: with ``when_full = "wait"`` ingest pauses only while
+    the learner could sample the batch size it asks for; when the limiter says "not yet", ingest goes on."""
+    import structlog
+
+    from zclaw.broker.server import Broker
+    from zclaw.config import defaults
+
+    cfg = defaults()
+    cfg["broker"].update(capacity=4, when_full="wait", samples_per_insert=0.5, spi_error_buffer=1.0)
+    broker = Broker(cfg, structlog.get_logger())
+    rng = np.random.default_rng(4)
+    broker.on_ingest(make("hello", role="worker", identity="w0", host="h", pid=1, zclaw=__version__,
+                          spec=SPEC.to_dict()))
+
+    def insert(seq: int) -> None:
+        broker.on_ingest(Segment("w0", seq, SPEC.hash, seg_arrays(rng), []).frames())
+
+    for seq in range(4):
+        assert broker.accepting()
+        insert(seq)
+    assert broker.store.fill == 4 and not broker.accepting()  # full of unsampled data, learner may sample 1
+    batch_request = make("sample", batch_size=4, version=0, priority_keys=[], priorities=[])
+    reply = parse(broker.on_request([b"learner", b""] + batch_request)[2:])
+    assert reply.kind == "retry" and reply["reason"] == "rate_limited"  # 0 + 4 > 4 * 0.5 + 1
+    assert broker.accepting()  # the learner cannot move: ingest must, or both wait for ever
+    insert(4)
+    insert(5)  # inserts 6: 6 * 0.5 + 1 = 4 allows the batch of 4 again
+    assert not broker.accepting()
+    reply = parse(broker.on_request([b"learner", b""] + batch_request)[2:])
+    assert reply.kind == "batch" and reply["seqs"] == [2, 3, 4, 5]
+    assert broker.accepting() and broker.store.drops["evicted_unused"] == 2

@@ -107,6 +107,14 @@ SCHEMA: Dict[str, Dict[str, Key]] = {
         "mode": Key("queue", "sampling mode", choices=("queue", "uniform", "prioritized")),
         "min_size": Key(1, "segments stored before the first batch is served", min=1),
         "max_reuse": Key(1, "times a segment may be sampled (0: unlimited; queue needs >= 1)", min=0),
+        "when_full": Key(
+            "evict", "what a full store does when the next segment would overwrite one never sampled: evict it "
+            "(counted as evicted_unused; the learner always gets the freshest data, workers never wait) or wait "
+            "(stop reading segments until the learner samples: workers' send queues fill and they block, no env "
+            "step is thrown away and no broker CPU is spent on data nobody uses; the broker keeps reading while "
+            "the rate limiter would refuse the learner, so the two never wait for each other)",
+            choices=("evict", "wait"),
+        ),
         "samples_per_insert": Key(0.0, "rate limit: segments sampled per segment inserted (0: off)", min=0),
         "spi_error_buffer": Key(8.0, "rate limit slack, in segments, around samples_per_insert", min=0),
         "max_staleness": Key(-1, "drop segments older than this many policy versions at sample time (-1: off)", min=-1),

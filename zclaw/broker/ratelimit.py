@@ -5,9 +5,9 @@ is trained on to how fast steps arrive. A fast learner over-fits the few segment
 lets workers run ahead. The ratio of segments sampled to segments inserted (``samples_per_insert``)
 is the knob that fixes data reuse regardless of the speed of either side.
 
-Unlike Reverb, the limiter here only ever holds back the *sampler*: the broker never refuses an
-insert (workers' PUSH sockets would back up into the env loop), the ring evicts the oldest segment
-instead. It also never blocks: :meth:`SampleToInsertRatio.can_sample` answers at once, and the broker
+Unlike Reverb, the limiter here only ever holds back the *sampler*: inserts are governed by the
+store's ``broker.when_full`` instead (``evict`` the oldest segment, or ``wait``: stop reading ingest
+while the learner could still sample, see :meth:`zclaw.broker.server.Broker.accepting`). It also never blocks: :meth:`SampleToInsertRatio.can_sample` answers at once, and the broker
 turns a refusal into a ``retry`` reply ("not yet, ask again in N ms").
 """
 from __future__ import annotations
@@ -28,7 +28,8 @@ class SampleToInsertRatio:
     The second condition is skipped when ``samples_per_insert == 0`` (limiter off: only ``min_size``
     applies). ``error_buffer`` is the slack, in segments, that lets the learner sample a little ahead
     of the inserts instead of waiting in lockstep for each one; there is no lower bound because the
-    broker never holds back inserts (a learner that falls behind simply has more data to choose from).
+    limiter never holds back inserts (a learner that falls behind has more data to choose from, and
+    ``when_full = "wait"`` holds inserts back only while this limiter would let the learner sample).
 
     Refusal reasons (what :meth:`can_sample` returns): ``"min_size"`` while fewer than ``min_size``
     segments were ever inserted, ``"rate_limited"`` when the ratio says "not yet".
@@ -39,8 +40,8 @@ class SampleToInsertRatio:
       ``min_size`` not an integer >= 1;
     * ``samples_per_insert > 0`` with ``error_buffer < 1``. Reverb refuses buffers smaller than
       ``max(1, samples_per_insert)`` because there inserts block too, and such a buffer can block
-      both sides against each other for good. Inserts never block here, so the counts always move
-      and no setting deadlocks outright; but with less than one segment of slack the limiter is a
+      both sides against each other for good. Inserts never block while the sampler is refused here, so
+      the counts always move and no setting deadlocks outright; but with less than one segment of slack the limiter is a
       barrier rather than a buffer (each request waits for the one insert that lets
       ``inserts * samples_per_insert`` catch up), which is never what a user wants. ``zclaw.config``
       refuses the same combination, so a config that loads never trips this.

@@ -127,6 +127,9 @@ class Broker:
         self.limiter = SampleToInsertRatio(b["samples_per_insert"], b["min_size"], b["spi_error_buffer"])
         self.max_bytes = int(cfg["network"]["max_message_mb"]) << 20
         self.retry_ms = int(b["retry_ms"])
+        self.wait_when_full = b["when_full"] == "wait"
+        #: segments per batch the learner last asked for (what "the learner can make progress" means)
+        self.last_batch_size = 1
         self.spec: Optional[EnvSpec] = None
         self.store: Optional[Store] = None
         self.drops = DropCounter(log, "messages")
@@ -232,6 +235,19 @@ class Broker:
             self.returns.append(float(ep["return"]))
             self.successes.append(ep.get("success"))
 
+    def accepting(self) -> bool:
+        """Whether the loop should read the ingest socket now (``broker.when_full``).
+
+        With ``when_full = "wait"`` the broker stops reading while the next insert would evict a
+        segment that was never sampled, as long as the learner can still make progress (the rate
+        limiter would let it sample a batch of the size it last asked for). Unread segments wait in the PULL socket
+        and the workers' send queues, whose backpressure blocks the workers: flow control from the
+        learner back to the env loop, instead of work thrown away at the broker.
+        """
+        st = self.store
+        return not (self.wait_when_full and st is not None and st.next_insert_evicts_unused
+                    and self.limiter.allowed_now() >= self.last_batch_size)
+
     # ----------------------------------------------------------------------------------- serve
 
     def on_request(self, frames: Sequence[Frame]) -> Optional[List[Any]]:
@@ -324,6 +340,7 @@ class Broker:
             raise WireError("bad_value", f"batch_size = {n} must be in [1, broker.capacity = {capacity}]")
         if msg["version"] < 0:
             raise WireError("bad_value", f"version = {msg['version']} must be >= 0")
+        self.last_batch_size = n
         reason = self.limiter.can_sample(n)
         if reason is not None:
             return self._retry(reason)
@@ -540,7 +557,11 @@ def main(
         poller.register(serve, zmq.POLLIN)
         status_s = float(cfg["log"]["status_s"])
         next_status = time.monotonic() + status_s
+        reading = True
         while not stop.is_set():
+            if broker.accepting() != reading:  # broker.when_full = "wait": pause or resume ingest
+                reading = not reading
+                poller.modify(ingest, zmq.POLLIN if reading else 0)
             events = dict(poller.poll(POLL_MS))
             if events.get(serve):
                 while True:
@@ -561,6 +582,10 @@ def main(
                     except zmq.Again:
                         break
                     broker.on_ingest(frames)
+                    # a waiting request goes first (a learner idle for a whole burst is the costlier wait),
+                    # and a full store stops the burst when broker.when_full = "wait"
+                    if serve.getsockopt(zmq.EVENTS) & zmq.POLLIN or not broker.accepting():
+                        break
             now = time.monotonic()
             if snaps is not None:
                 snaps.tick(now)

@@ -42,7 +42,7 @@ from typing import Any, Dict, List, Optional, Sequence, Tuple
 import numpy as np
 
 from ..wire.messages import SEGMENT_ARRAYS, EnvSpec, segment_dims
-from ..wire.protocol import Message, WireError
+from ..wire.protocol import PART_MIN_BYTES, Message, WireError
 from .balance import OptionBalancer
 from .slots import SlotRing
 from .sumtree import SumTree
@@ -70,7 +70,7 @@ class SampledBatch:
 
     ``parts`` holds, per field of ``SEGMENT_ARRAYS``, the B segments' arrays by reference (the
     store's read-only received buffers, never written: see ``zclaw.broker.slots``), which the broker
-    sends as they are, one frame per segment; ``extra`` holds ``final_obs`` ``[M, *obs_shape]`` with
+    sends as they are, one frame per segment, for fields large enough to gain from it (:meth:`wire_arrays`); ``extra`` holds ``final_obs`` ``[M, *obs_shape]`` with
     ``final_at`` rows ``(b, t, n)`` and ``is_weight[B]`` (see ``zclaw.wire.messages.BATCH_EXTRA``).
     :attr:`arrays` is the stacked batch layout the learner decodes. ``episodes`` holds the episode
     stats of the segments sampled here for the first time only, so a learner counting them sees
@@ -93,8 +93,15 @@ class SampledBatch:
         return out
 
     def wire_arrays(self) -> Dict[str, Any]:
-        """What ``zclaw.wire.make("batch", ...)`` sends: per-segment parts (no copy) and the extras."""
-        out: Dict[str, Any] = dict(self.parts)
+        """What ``zclaw.wire.make("batch", ...)`` sends: the extras, and each field as per-segment parts
+        (no copy) when a segment's array is at least ``PART_MIN_BYTES``, else stacked into one frame.
+
+        Why both: pyzmq copies any frame smaller than its copy threshold even when asked not to, so a
+        small field gains nothing from parts and pays B frames of per-frame work on both ends; one
+        stacked copy moves the same bytes in one frame. Large fields (observations) stay zero-copy.
+        """
+        out: Dict[str, Any] = {name: (p if p[0].nbytes >= PART_MIN_BYTES else np.stack(p))
+                               for name, p in self.parts.items()}
         out.update(self.extra)
         return out
 
@@ -174,6 +181,16 @@ class Store:
 
     def __len__(self) -> int:
         return self._fill
+
+    @property
+    def next_insert_evicts_unused(self) -> bool:
+        """Whether the next insert would overwrite a segment that was never sampled.
+
+        The broker's ``when_full = "wait"`` stops reading new segments while this holds, so that
+        no segment a worker paid for is thrown away unused (see ``zclaw.broker.server``).
+        """
+        slot = self._next_key % self.capacity
+        return bool(self._key[slot] >= 0 and self._uses[slot] == 0)
 
     def keys(self) -> List[int]:
         """Keys of the stored segments, oldest first."""

@@ -29,6 +29,9 @@ ALLOWED_DTYPES = frozenset({"<f4", "<f8", "<f2", "<i1", "<i2", "<i4", "<i8", "|i
 MAX_HEADER_BYTES = 1 << 20
 MAX_ARRAYS = 64
 MAX_PARTS = 4096  # frames one array may be split into (a batch sends one part per segment)
+#: parts smaller than this are not worth a frame each: pyzmq copies frames under its ``COPY_THRESHOLD``
+#: (64 KiB) even with ``copy=False``, so a sender stacks such parts into one frame instead
+PART_MIN_BYTES = 64 << 10
 MAX_NDIM = 8
 
 Frame = Union[bytes, memoryview, Any]  # bytes, memoryview or zmq.Frame
