@@ -21,6 +21,9 @@ def test_overrides_are_typed_and_applied() -> None:
     assert cfg["learner"]["lr"] == 0.001
     assert cfg["policy"]["hidden"] == [32, 32]
     assert cfg["run"]["env"] == "gym:Pusher-v5"
+    # the epsilon of the policy over options: 0 allowed, just below 1 allowed (1 is not, see below)
+    assert config.load(None, ["policy.option_epsilon=0"])["policy"]["option_epsilon"] == 0.0
+    assert config.load(None, ["policy.option_epsilon=0.99"])["policy"]["option_epsilon"] == 0.99
 
 
 @pytest.mark.parametrize(
@@ -34,6 +37,8 @@ def test_overrides_are_typed_and_applied() -> None:
         ("policy.hidden=[0]", "policy.hidden"),
         ("broker.min_size=100", "exceeds broker.capacity"),
         ("run.env=Reacher-v5", "expected <backend>:<id>"),
+        ("policy.option_epsilon=1.0", "policy.option_epsilon = 1.0 is not allowed: expected a number in [0, 1)"),
+        ("policy.option_epsilon=-0.1", "policy.option_epsilon = -0.1 is not allowed"),
         ("noequals", "expected section.key=value"),
     ],
 )

@@ -202,3 +202,15 @@ def test_categorical_entropy_distillation_and_masks_by_hand() -> None:
     close(losses.masked_mean(x, mask).reshape(1), [2.0])
     close(losses.masked_mean(x, mask, torch.tensor([2.0, 0.0, 1.0, 1.0])).reshape(1), [5.0 / 3.0])
     close(losses.masked_normalize(x, mask), [-1.0, 0.0, 1.0, 0.0])
+
+
+def test_termination_prior_by_hand_and_it_pulls_every_termination_toward_beta_0() -> None:
+    z = torch.tensor([[0.0, math.log(3.0)], [-5.0, 5.0]], requires_grad=True)  # beta = 1/2, 3/4; ~0, ~1
+    z0 = math.log(0.05 / 0.95)
+    got = losses.termination_prior_loss(z, 0.05)
+    want = [0.5 * ((0.0 - z0) ** 2 + (math.log(3.0) - z0) ** 2) / 2, 0.5 * ((-5.0 - z0) ** 2 + (5.0 - z0) ** 2) / 2]
+    close(got, want)
+    got.sum().backward()
+    # gradient descent lowers every logit above logit(0.05) and raises the one below, saturated or not
+    assert (z.grad[0] > 0).all() and z.grad[1, 0] < 0 and z.grad[1, 1] > 0
+    assert float(losses.termination_prior_loss(torch.full((3, 4), z0), 0.05).abs().max()) < 1e-12

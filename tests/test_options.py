@@ -4,16 +4,18 @@ from __future__ import annotations
 
 import copy
 import math
+from dataclasses import replace
 from typing import Dict
 
 import numpy as np
 import pytest
 import torch
 
+from zclaw.learner import checkpoint as ckpt
 from zclaw.learner.trainer import Trainer
 from zclaw.policy import losses
 from zclaw.policy.health import OptionHealth
-from zclaw.policy.networks import OptionPolicy
+from zclaw.policy.networks import OptionPolicy, PolicyConfig
 from zclaw.policy.weights import model_from_weights, weights_message
 from zclaw.wire import unpack, parse
 
@@ -73,12 +75,14 @@ def reference_ppo_update(model: OptionPolicy, opt: torch.optim.Optimizer, p: dic
     return {k: v / n for k, v in out.items()}
 
 
-@pytest.mark.parametrize("mode", ["dac", "ppoc"])
-def test_k1_is_exactly_flat_ppo_same_losses_and_parameters(mode: str) -> None:
+@pytest.mark.parametrize("mode, eps", [("dac", 0.0), ("ppoc", 0.0), ("dac", 0.3), ("ppoc", 0.3)])
+def test_k1_is_exactly_flat_ppo_same_losses_and_parameters(mode: str, eps: float) -> None:
     torch.manual_seed(0)
     rng = np.random.default_rng(0)
     spec = spec_of(3, 2)
     model = make_model(spec, hidden=[16], options=1)
+    if eps:  # an epsilon-soft master (forced into the architecture; policy_config drops it for K = 1) changes nothing
+        model = OptionPolicy(replace(model.cfg, option_epsilon=eps))
     ref = copy.deepcopy(model)
     # target_kl off: the equivalence is of the losses and the step, not of the early-stopping rule
     c = learner_cfg(epochs=2, minibatches=3, ent_coef=0.01, mode=mode, target_kl=0.0, master_ent_coef=0.1,
@@ -111,9 +115,11 @@ def test_k1_is_exactly_flat_ppo_same_losses_and_parameters(mode: str) -> None:
 
 # -- call-and-return: the policy pi_hat, and acting with it ------------------------------------------
 
-def two_option_model(spec, beta_bias=(0.0, 0.0), master_bias=(0.0, 0.0), obs_term_weight: float = 0.0) -> OptionPolicy:
-    """K = 2 with hand-set heads: beta_o(s) = sigmoid(bias_o + weight * s_0), pi_Omega = softmax(bias)."""
-    model = make_model(spec, hidden=[8], options=2, normalize_obs=False)
+def two_option_model(spec, beta_bias=(0.0, 0.0), master_bias=(0.0, 0.0), obs_term_weight: float = 0.0,
+                     epsilon: float = 0.0) -> OptionPolicy:
+    """K = 2 with hand-set heads: beta_o(s) = sigmoid(bias_o + weight * s_0), pi_Omega = softmax(bias)
+    (mixed with the uniform distribution by ``epsilon``, 0 here unless asked)."""
+    model = make_model(spec, hidden=[8], options=2, normalize_obs=False, option_epsilon=epsilon)
     with torch.no_grad():
         for head, bias in ((model.termination, beta_bias), (model.master, master_bias)):
             for layer in head:
@@ -242,6 +248,199 @@ def test_importance_weights_are_truncated_as_configured(rho_bar: float) -> None:
     assert m["rho_clipped_frac"] >= 3 / 6 - 1e-6
 
 
+# -- the epsilon-soft policy over options: (1 - eps) softmax(z) + eps / K, one distribution everywhere ------
+
+def four_option_model(spec, epsilon: float, master_bias=(30.0, -30.0, -30.0, -30.0), beta_bias=0.0) -> OptionPolicy:
+    """K = 4 with hand-set heads: z(s) = master_bias, beta_o(s) = sigmoid(beta_bias) for every option."""
+    model = make_model(spec, hidden=[8], options=4, normalize_obs=False, option_epsilon=epsilon)
+    with torch.no_grad():
+        for head, bias in ((model.termination, (beta_bias,) * 4), (model.master, master_bias)):
+            for layer in head:
+                if isinstance(layer, torch.nn.Linear):
+                    layer.weight.zero_()
+                    layer.bias.zero_()
+            head[-1].bias.copy_(torch.tensor(bias))
+    return model
+
+
+@pytest.mark.parametrize("eps", [0.01, 0.2, 0.5, 0.9])
+def test_epsilon_soft_probabilities_sum_to_one_and_respect_the_floor(eps: float) -> None:
+    torch.manual_seed(4)
+    K = 4
+    logits = torch.cat([torch.randn(64, K) * 3, torch.tensor([[60.0, -60.0, -60.0, -60.0], [0.0, 0.0, 0.0, 0.0]])])
+    logp = losses.epsilon_soft_log_probs(logits, eps)
+    p = logp.exp()
+    torch.testing.assert_close(p.sum(-1), torch.ones(len(logits)))
+    assert float(p.min()) >= eps / K * (1 - 1e-5)
+    torch.testing.assert_close(p, (1 - eps) * torch.softmax(logits, -1) + eps / K)  # the formula itself
+    assert torch.isfinite(logp).all()
+    # the one-hot master still leaves eps / K to each other option, and its argmax is the softmax's
+    torch.testing.assert_close(p[-2], torch.tensor([1 - eps + eps / K, eps / K, eps / K, eps / K]))
+    assert torch.equal(logp.argmax(-1), logits.argmax(-1))
+    # the entropy of the mixture is that of the explicit distribution
+    torch.testing.assert_close(losses.categorical_entropy_logp(logp), -(p * p.log()).sum(-1))
+    torch.testing.assert_close(losses.epsilon_soft_probs(logits, eps), p)
+    # eps = 0 is exactly the softmax, bit for bit
+    assert torch.equal(losses.epsilon_soft_log_probs(logits, 0.0), torch.log_softmax(logits, -1))
+    assert torch.equal(losses.epsilon_soft_probs(logits, 0.0), torch.softmax(logits, -1))
+
+
+def test_act_records_the_epsilon_soft_call_and_return_log_prob() -> None:
+    torch.manual_seed(5)
+    spec = spec_of(2, 1)
+    n, eps, K = 4096, 0.2, 4
+    model = four_option_model(spec, eps, master_bias=(2.0, 0.0, -1.0, -30.0))  # beta = 1/2 everywhere
+    obs = torch.randn(n, 2)
+    prev = torch.arange(n) % K
+    start = torch.arange(n) % 3 == 0
+    out = model.act(obs, prev, start)
+    # by hand: pi_Omega = (1 - eps) softmax(z) + eps / K;
+    # pi_hat = (1 - beta)[o = prev] + beta pi_Omega, with beta = 1 at episode starts
+    pi_omega = (1 - eps) * torch.softmax(torch.tensor([2.0, 0.0, -1.0, -30.0]), -1) + eps / K
+    beta = torch.where(start, torch.ones(n), torch.full((n,), 0.5))
+    want = (1 - beta) * (out["option"] == prev).float() + beta * pi_omega[out["option"]]
+    torch.testing.assert_close(out["logp_option"], want.log())
+    # the learner's call-and-return policy is the same distribution
+    lp = model.call_and_return_logits(obs, prev, start).gather(-1, out["option"].unsqueeze(-1)).squeeze(-1)
+    torch.testing.assert_close(out["logp_option"], lp)
+    # option 3 (logit -30) is still picked, through the eps / K floor alone
+    assert bool((out["option_start"] & (out["option"] == 3) & (prev != 3)).any())
+
+
+def test_epsilon_soft_master_feeds_every_option_even_when_the_logits_favour_one() -> None:
+    torch.manual_seed(6)
+    spec = spec_of(2, 1)
+    n, K = 20000, 4
+    obs = torch.randn(n, 2)
+    prev = torch.zeros(n, dtype=torch.long)
+    starts = torch.ones(n, dtype=torch.bool)
+    for eps in (0.2, 0.5):
+        out = four_option_model(spec, eps).act(obs, prev, starts)  # z = (30, -30, -30, -30): all on option 0
+        share = torch.bincount(out["option"], minlength=K).float() / n
+        floor = eps / K
+        for o in (1, 2, 3):  # binomial sd ~ 0.0015 at n = 20000: these bounds are > 5 sd away
+            assert floor - 0.01 < float(share[o]) < floor + 0.01, (eps, share)
+        assert abs(float(share[0]) - (1 - eps + floor)) < 0.015
+    # eps = 0 (the old softmax master) starves them completely
+    out0 = four_option_model(spec, 0.0).act(obs, prev, starts)
+    assert torch.equal(out0["option"], torch.zeros(n, dtype=torch.long))
+    # the deterministic (evaluation) choice stays the argmax, whatever eps
+    det = four_option_model(spec, 0.5).act(obs, prev, starts, deterministic=True)
+    assert torch.equal(det["option"], torch.zeros(n, dtype=torch.long))
+
+
+def reference_act_eps0(model: OptionPolicy, obs, prev_option, episode_start) -> Dict[str, torch.Tensor]:
+    """The option choice of ``act`` as written before the epsilon-soft master (softmax pi_Omega)."""
+    x = model.obs_norm(obs)
+    prev = prev_option.clamp(0, model.K - 1)
+    log_master = torch.log_softmax(model.master_logits(x), -1)
+    beta = model.beta(x).gather(-1, prev.unsqueeze(-1)).squeeze(-1)
+    fired = torch.rand_like(beta) < beta
+    picked = torch.distributions.Categorical(logits=log_master).sample()
+    option_start = episode_start | fired
+    option = torch.where(option_start, picked, prev)
+    b = torch.where(episode_start, torch.ones_like(beta), beta)
+    probs = (1 - b).unsqueeze(-1) * torch.nn.functional.one_hot(prev, model.K).to(log_master.dtype) \
+        + b.unsqueeze(-1) * log_master.exp()
+    logp_option = torch.log(probs.clamp(min=1e-12)).gather(-1, option.unsqueeze(-1)).squeeze(-1)
+    return {"option": option, "option_start": option_start, "logp_option": logp_option}
+
+
+@pytest.mark.parametrize("mode", ["dac", "ppoc"])
+def test_epsilon_zero_reproduces_the_softmax_master_exactly(mode: str) -> None:
+    torch.manual_seed(7)
+    rng = np.random.default_rng(7)
+    spec = spec_of(3, 2)
+    model = make_model(spec, hidden=[16], options=3, option_epsilon=0.0)
+    assert model.cfg.option_epsilon == 0.0
+    obs, prev = torch.randn(256, 3), torch.randint(0, 3, (256,))
+    start = torch.rand(256) < 0.2
+    with torch.no_grad():
+        assert torch.equal(model.log_master(obs), torch.log_softmax(model.master_logits(obs), -1))
+        torch.manual_seed(8)
+        got = model.act(obs, prev, start)
+        torch.manual_seed(8)
+        want = reference_act_eps0(model, obs, prev, start)
+    for k in want:
+        assert torch.equal(got[k], want[k]), k
+    # the learner's option-level terms: entropy and PPOC's log pi_Omega are the softmax's
+    trainer = Trainer(model, learner_cfg(mode=mode), "cpu")
+    p = trainer.prepare(batch_message(spec, random_batch(spec, rng, K=3)), 0, update_norm=False)
+    T = p["values"].shape[0]
+    mb = {k: p[k].reshape(-1) for k in ("option", "prev_option", "ep_start", "known", "option_start",
+                                         "logp_mu_option", "adv_high", "adv_master", "q_prev", "v", "log_rho_option")}
+    mb["x"], mb["w"] = p["x"][:T].reshape(-1, 3), torch.ones(mb["option"].shape)
+    with torch.no_grad():
+        terms = trainer._option_terms(mb, 0.2, 1.0)
+        want_ent = losses.categorical_entropy(model.master_logits(mb["x"])).mean()
+    assert float(terms["loss/master_entropy"]) == float(want_ent)
+    if mode == "ppoc":
+        with torch.no_grad():
+            v = (model.q(p["x"][:T]) * torch.softmax(model.master_logits(p["x"][:T]), -1)).sum(-1)
+        assert torch.equal(p["v"], v)
+
+
+def test_learner_trains_the_distribution_the_workers_sample_from() -> None:
+    """On-policy data from act() with eps > 0 has option-level ratio 1 in the learner, and PPOC's V(s) and the
+    master entropy are those of the epsilon-soft pi_Omega."""
+    torch.manual_seed(9)
+    spec = spec_of(3, 1)
+    K, T, N, eps = 3, 8, 16, 0.3
+    model = make_model(spec, hidden=[16], options=K, option_epsilon=eps)
+    with torch.no_grad():  # a master far from uniform, terminations around 1/2
+        model.master[-1].bias.copy_(torch.tensor([3.0, 0.0, -3.0]))
+    a = empty_batch(spec, 1, T, N)
+    a["obs"][:] = np.random.default_rng(9).normal(size=a["obs"].shape)
+    prev, start = torch.zeros(N, dtype=torch.long), torch.ones(N, dtype=torch.bool)
+    for t in range(T):
+        out = model.act(torch.from_numpy(a["obs"][0, t]), prev, start)
+        for k in ("option", "option_start", "logp_option", "logp_action", "action"):
+            a[k][0, t] = out[k].numpy()
+        prev, start = out["option"], torch.zeros(N, dtype=torch.bool)
+    for mode in ("dac", "ppoc"):
+        trainer = Trainer(model, learner_cfg(mode=mode), "cpu")
+        p = trainer.prepare(batch_message(spec, a), 0, update_norm=False)
+        assert bool(p["known"][1:].all())
+        torch.testing.assert_close(p["log_rho_option"], torch.zeros(T, N), atol=1e-5, rtol=0)
+        with torch.no_grad():
+            x = p["x"][:T]
+            pi_eps = (1 - eps) * torch.softmax(model.master_logits(x), -1) + eps / K
+            if mode == "ppoc":
+                torch.testing.assert_close(p["v"], (model.q(x) * pi_eps).sum(-1))
+            mb = {k: p[k].reshape(-1) for k in ("option", "prev_option", "ep_start", "known", "option_start",
+                                                 "logp_mu_option", "adv_high", "adv_master", "q_prev", "v",
+                                                 "log_rho_option")}
+            mb["x"], mb["w"] = x.reshape(-1, 3), torch.ones(T * N)
+            terms = trainer._option_terms(mb, 0.2, 1.0)
+            pe = pi_eps.reshape(-1, K)
+            torch.testing.assert_close(terms["loss/master_entropy"], -(pe * pe.log()).sum(-1).mean())
+
+
+def test_option_epsilon_travels_with_the_policy_config() -> None:
+    spec = spec_of(3, 2)
+    cfg = make_model(spec, hidden=[8], options=4, option_epsilon=0.25).cfg
+    assert cfg.option_epsilon == 0.25 and cfg.to_dict()["option_epsilon"] == 0.25
+    assert PolicyConfig.from_dict(cfg.to_dict()) == cfg
+    old = {k: v for k, v in cfg.to_dict().items() if k != "option_epsilon"}  # written before the key existed
+    assert PolicyConfig.from_dict(old) == replace(cfg, option_epsilon=0.0)
+    for bad in (1.0, -0.1):
+        with pytest.raises(ValueError, match="option_epsilon"):
+            PolicyConfig.from_dict(dict(old, option_epsilon=bad))
+    # weights messages carry it to the workers
+    model = OptionPolicy(cfg)
+    assert model_from_weights(parse(unpack(weights_message(model, 1, 0, spec.hash)), ("weights",))).cfg == cfg
+    # K = 1: the master is inert and eps is not part of the architecture
+    assert make_model(spec, hidden=[8], options=1, option_epsilon=0.25).cfg.option_epsilon == 0.0
+    # checkpoints written before the key: a flat run resumes, a K = 4 run with eps > 0 is told what differs
+    flat = make_model(spec, hidden=[8], options=1).cfg
+    state = {"spec": spec.to_dict(), "policy": {k: v for k, v in flat.to_dict().items() if k != "option_epsilon"}}
+    ckpt.check_compatible(state, spec.to_dict(), flat)
+    state4 = {"spec": spec.to_dict(), "policy": old}
+    ckpt.check_compatible(state4, spec.to_dict(), replace(cfg, option_epsilon=0.0))
+    with pytest.raises(ckpt.CheckpointError, match="option_epsilon"):
+        ckpt.check_compatible(state4, spec.to_dict(), cfg)
+
+
 # -- DAC and PPOC train their option levels; the student follows the teacher -------------------------
 
 @pytest.mark.parametrize("mode", ["dac", "ppoc"])
@@ -261,6 +460,30 @@ def test_option_level_terms_are_finite_and_move_master_and_termination(mode: str
     assert any(n.startswith("master.") for n in moved) and any(n.startswith("termination.") for n in moved)
     assert any(n.startswith("student.") for n in moved)
     assert all(f"lag/option/{o}" in m for o in range(3))
+
+
+@pytest.mark.parametrize("mode", ["dac", "ppoc"])
+def test_the_termination_prior_pulls_terminations_toward_its_rate(mode: str) -> None:
+    """With only the prior switched on (no option-level policy terms), updates move every termination
+    probability toward learner.termination_prior; with its coefficient 0 the prior term has no effect."""
+    spec = spec_of(3, 2)
+    drift = {}
+    for coef in (0.0, 2.0):
+        torch.manual_seed(5)
+        rng = np.random.default_rng(5)
+        model = make_model(spec, hidden=[16], options=3)
+        c = learner_cfg(mode=mode, master_coef=0.0, termination_coef=0.0, master_ent_coef=0.0, target_kl=0.0,
+                        termination_prior=0.05, termination_prior_coef=coef, lr=1e-2, epochs=4)
+        trainer = Trainer(model, c, "cpu")
+        batch = random_batch(spec, rng, K=3)
+        x = model.obs_norm(torch.as_tensor(batch["obs"].reshape(-1, 3)))
+        before = float(model.beta(x).mean())  # ~0.5 at init
+        for _ in range(3):
+            m = trainer.update(batch_message(spec, batch), 0)
+        assert math.isfinite(m["loss/termination_prior"])
+        drift[coef] = before - float(model.beta(model.obs_norm(torch.as_tensor(batch["obs"].reshape(-1, 3)))).mean())
+    assert abs(drift[0.0]) < 0.01  # nothing else trains the termination head here (the normaliser moves x a bit)
+    assert drift[2.0] > 0.1  # from ~0.5 toward 0.05
 
 
 def test_per_option_lag_by_hand() -> None:
@@ -343,3 +566,41 @@ def test_health_figures_by_hand_and_warnings() -> None:
     w = one.summary(model)["warnings"]
     assert any("option 0 takes 100.0%" in x for x in w)
     assert OptionHealth.scalars(s)["options/usage/0"] == pytest.approx(4 / 6)
+
+
+def test_residual_options_share_a_policy_that_every_step_trains() -> None:
+    """option_residual: mu_o = (mu + m_o) / 2 and log sigma_o = (log sigma + l_o) / 2; a step trained only on
+    option 0's samples moves option 1's mean too (through the shared head), unlike independent heads."""
+    torch.manual_seed(0)
+    spec = spec_of(3, 2)
+    x = torch.randn(64, 3)
+    moved = {}
+    for residual in (True, False):
+        model = make_model(spec, hidden=[16], options=4, option_residual=residual)
+        assert model.cfg.option_residual is residual and model.residual is residual
+        out = model.actor(x)
+        if residual:
+            heads = out.reshape(64, 5, 2)
+            torch.testing.assert_close(model.action_mean(x), 0.5 * (heads[:, :4] + heads[:, 4:]))
+            torch.testing.assert_close(model.option_log_std(), 0.5 * (model.log_std + model.shared_log_std))
+            torch.testing.assert_close(model.option_log_std(), torch.full((4, 2), model.cfg.init_log_std))
+        else:
+            torch.testing.assert_close(model.action_mean(x), out.reshape(64, 4, 2))
+        before = model.action_mean(x).detach().clone()
+        opt = torch.optim.SGD(model.parameters(), lr=0.1)
+        target = torch.ones(64, 2)
+        loss = ((model.option_mean(x, torch.zeros(64, dtype=torch.long)) - target) ** 2).mean()
+        opt.zero_grad()
+        loss.backward()
+        opt.step()
+        after = model.action_mean(x).detach()
+        moved[residual] = float((after[:, 1] - before[:, 1]).abs().max())
+        assert float((after[:, 0] - before[:, 0]).abs().max()) > 1e-3  # the trained option moved
+    assert moved[True] > 1e-3  # option 1 learned from option 0's samples
+    # (independent heads share only the body, and its change barely moves a 0.01-gain head)
+    assert moved[True] > 10 * moved[False]
+    cfg = make_model(spec, hidden=[8], options=4).cfg
+    assert cfg.option_residual is True  # the config default for K > 1
+    old = {k: v for k, v in cfg.to_dict().items() if k != "option_residual"}  # written before the key existed
+    assert PolicyConfig.from_dict(old).option_residual is False
+    assert make_model(spec, hidden=[8], options=1, option_residual=True).cfg.option_residual is False  # K = 1

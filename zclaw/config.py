@@ -32,6 +32,7 @@ class Key:
     choices: Optional[Tuple[Any, ...]] = None
     min: Optional[float] = None
     max: Optional[float] = None
+    below: Optional[float] = None  # exclusive upper bound (value < below)
 
     @property
     def kind(self) -> type:
@@ -44,6 +45,10 @@ class Key:
         s = text.get(self.kind, self.kind.__name__)
         if self.min is not None and self.max is not None:
             s += f" in [{self.min}, {self.max}]"
+        elif self.min is not None and self.below is not None:
+            s += f" in [{self.min}, {self.below})"
+        elif self.below is not None:
+            s += f" < {self.below}"
         elif self.min is not None:
             s += f" >= {self.min}"
         elif self.max is not None:
@@ -63,6 +68,8 @@ class Key:
             ok = value >= self.min
         if ok and self.max is not None:
             ok = value <= self.max
+        if ok and self.below is not None:
+            ok = value < self.below
         if not ok:
             raise ConfigError(f"config key {name} = {value!r} is not allowed: expected {self.allowed()}")
         return value
@@ -156,6 +163,11 @@ SCHEMA: Dict[str, Dict[str, Key]] = {
         "master_coef": Key(1.0, "coefficient of the option-level policy loss (DAC high MDP, PPOC master)", min=0),
         "master_ent_coef": Key(0.01, "entropy bonus on the policy over options pi_Omega", min=0),
         "termination_coef": Key(0.5, "ppoc: coefficient of the termination loss", min=0),
+        "termination_prior": Key(0.05, "K > 1: the termination rate beta_0 the prior pulls every termination "
+                                 "logit toward (mean option duration ~ 1 / beta_0 steps)", min=1e-3, below=1),
+        "termination_prior_coef": Key(0.5, "K > 1: coefficient of the termination prior "
+                                      "1/2 (logit beta_o(s) - logit beta_0)^2 (dac and ppoc); keeps one option from "
+                                      "never terminating while the others hand over at once; 0: off", min=0),
         "xi": Key(0.01, "ppoc: termination regulariser added to Q(s', o) - V(s') (favours longer options)"),
         "deliberation_cost": Key(0.0, "reward subtracted at every option switch that is not an episode start "
                                  "(Harb et al. 2018; K > 1)", min=0),
@@ -175,6 +187,16 @@ SCHEMA: Dict[str, Dict[str, Key]] = {
         "init_log_std": Key(-0.5, "initial log standard deviation of the Gaussian policies"),
         "normalize_obs": Key(True, "running mean/variance observation normalisation"),
         "obs_clip": Key(10.0, "clip normalised observations to +-obs_clip", min=0),
+        "option_epsilon": Key(0.3, "K > 1: epsilon of the epsilon-soft policy over options, "
+                              "pi_Omega(o|s) = (1 - eps) softmax(z(s))_o + eps / K, so every option is picked on at "
+                              "least eps / K of option choices and none is starved of data (Bacon et al. 2017's "
+                              "epsilon-greedy master, differentiable); workers sample from it and the learner trains "
+                              "it; 0: plain softmax; ignored for K = 1", min=0, below=1),
+        "option_residual": Key(True, "K > 1: each intra-option Gaussian is a shared one plus the option's own "
+                               "residual, mu_o(s) = mu(s) + delta_o(s) and log sigma_o = log sigma + delta_o, so every "
+                               "step trains the shared part and an option picked rarely still acts as well as the "
+                               "others instead of being abandoned untrained; false: K independent heads; ignored "
+                               "for K = 1"),
     },
     "log": {
         "level": Key("info", "log level", choices=("debug", "info", "warning", "error")),

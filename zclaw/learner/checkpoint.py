@@ -134,9 +134,12 @@ def check_compatible(state: Mapping[str, Any], spec: Mapping[str, Any], policy: 
             "Resume with the same env, or start a new run directory."
         )
     want = policy.to_dict()
-    if dict(state["policy"]) != want:
-        diff = {k: (state["policy"].get(k), want.get(k)) for k in set(state["policy"]) | set(want)
-                if state["policy"].get(k) != want.get(k)}
+    try:  # through PolicyConfig: keys added since the checkpoint was written take their old meaning
+        have = PolicyConfig.from_dict(state["policy"]).to_dict()
+    except (TypeError, KeyError, ValueError):
+        have = dict(state["policy"])
+    if have != want:
+        diff = {k: (have.get(k), want.get(k)) for k in set(have) | set(want) if have.get(k) != want.get(k)}
         raise CheckpointError(
             f"{where} was made for another network architecture; (checkpoint, this run) differ in {diff}. "
             "Use the checkpoint's [policy] settings, or start a new run directory."

@@ -45,7 +45,7 @@ from ..policy.health import OptionHealth
 from ..policy.networks import OptionPolicy
 from ..wire import Message
 
-LOSS_KEYS = ("loss/policy", "loss/value", "loss/entropy", "loss/master", "loss/termination",
+LOSS_KEYS = ("loss/policy", "loss/value", "loss/entropy", "loss/master", "loss/termination", "loss/termination_prior",
              "loss/master_entropy", "loss/student", "loss/total", "approx_kl", "clip_frac", "grad_norm")
 
 
@@ -124,7 +124,7 @@ class Trainer:
     ) -> Tuple[torch.Tensor, torch.Tensor]:
         """log pi_o(a|s) of the executing option, and that option's log std (for the entropy)."""
         mean = self.model.option_mean(x, option)
-        log_std = self.model.log_std[option]
+        log_std = self.model.option_log_std()[option]
         return self.model.gaussian_logp(action, mean, log_std), log_std
 
     def _logp_option(self, x: torch.Tensor, prev: torch.Tensor, ep_start: torch.Tensor, option: torch.Tensor) -> torch.Tensor:
@@ -225,7 +225,7 @@ class Trainer:
                 pi_hat = model.call_and_return_logits(x[:T], prev, ep_start).exp()
                 out["adv_high"] = rho_joint * (q_ret - losses.option_value(q_all, pi_hat))  # q - V^H(s, o_prev)
             else:
-                v = losses.option_value(q_all, torch.softmax(model.master_logits(x[:T]), -1))  # V(s)
+                v = losses.option_value(q_all, model.master_probs(x[:T]))  # V(s), pi_Omega epsilon-soft
                 out["adv_master"] = rho_joint * (q_ret - v)
                 out["q_prev"] = q_all.gather(-1, prev.unsqueeze(-1)).squeeze(-1)  # Q(s', o_prev)
                 out["v"] = v  # V(s')
@@ -287,6 +287,7 @@ class Trainer:
                     terms.update(self._option_terms(mb, clip, rho_bar))
                     loss = (loss + float(c.get("master_coef", 1.0)) * terms["loss/master"]
                             + float(c.get("termination_coef", 0.0)) * terms["loss/termination"]
+                            + float(c.get("termination_prior_coef", 0.0)) * terms["loss/termination_prior"]
                             - float(c.get("master_ent_coef", 0.0)) * terms["loss/master_entropy"])
 
                 self.optimizer.zero_grad(set_to_none=True)
@@ -315,11 +316,15 @@ class Trainer:
         return metrics
 
     def _option_terms(self, mb: Dict[str, torch.Tensor], clip: float, rho_bar: float) -> Dict[str, torch.Tensor]:
-        """The option-level losses of one minibatch (K > 1): DAC's or PPOC's, and the master entropy."""
+        """The option-level losses of one minibatch (K > 1): DAC's or PPOC's, and the master entropy
+        (all of the epsilon-soft pi_Omega the workers sample from, :meth:`OptionPolicy.log_master`)."""
         model = self.model
         x, w, known = mb["x"], mb["w"], mb["known"]
-        logits_master = model.master_logits(x)
-        out = {"loss/master_entropy": losses.weighted_mean(losses.categorical_entropy(logits_master), w)}
+        log_master = model.log_master(x)
+        out = {"loss/master_entropy": losses.weighted_mean(losses.categorical_entropy_logp(log_master), w),
+               "loss/termination_prior": losses.weighted_mean(
+                   losses.termination_prior_loss(model.termination(x), float(self.cfg.get("termination_prior", 0.05))),
+                   w)}
         if self.mode == "dac":
             log_pi_hat = self._logp_option(x, mb["prev_option"], mb["ep_start"], mb["option"])
             adv_h = losses.masked_normalize(mb["adv_high"], known)
@@ -328,7 +333,7 @@ class Trainer:
             out["loss/termination"] = torch.zeros((), device=x.device)
         else:
             picked = mb["option_start"] & known
-            log_pi_omega = torch.log_softmax(logits_master, -1).gather(-1, mb["option"].unsqueeze(-1)).squeeze(-1)
+            log_pi_omega = log_master.gather(-1, mb["option"].unsqueeze(-1)).squeeze(-1)
             adv_m = losses.masked_normalize(mb["adv_master"], picked)
             w_is = losses.truncated_is(mb["log_rho_option"], rho_bar)
             out["loss/master"] = losses.masked_mean(losses.ppoc_master_loss(log_pi_omega, adv_m, w_is), picked, w)

@@ -69,7 +69,7 @@ class OptionHealth:
         usage = (self.steps / max(total, 1e-12)).tolist()
         duration = [float(s / p) if p > 0 else None for s, p in zip(self.steps, self.picks)]
         term = [float(t / c) if c > 0 else None for t, c in zip(self.terminated, self.continuing)]
-        entropy = losses.entropy(model.log_std.detach().cpu().float()).tolist()
+        entropy = losses.entropy(model.option_log_std().detach().cpu().float()).tolist()
         out: Dict[str, Any] = {
             "K": K, "usage": usage, "duration": duration, "termination_rate": term, "entropy": entropy,
             "duration_mean": float(total / float(self.picks.sum())) if float(self.picks.sum()) > 0 else None,
@@ -99,7 +99,9 @@ class OptionHealth:
         if top > self.dominant_share:
             o = s["usage"].index(top)
             w.append(f"option {o} takes {top:.1%} of the steps (> {self.dominant_share:.0%}): the others are unused "
-                     "(try learner.option_weights or broker.option_balanced, or a larger learner.master_ent_coef)")
+                     "(try learner.option_weights or broker.option_balanced, a larger policy.option_epsilon or "
+                     "learner.master_ent_coef; if the others last ~1 step, they are dropped at once: see "
+                     "docs/learning.md)")
         return w
 
     @staticmethod

@@ -191,10 +191,51 @@ def ppoc_termination_loss(
     return beta_prev * (q_prev - v + xi).detach()
 
 
-def categorical_entropy(logits: torch.Tensor) -> torch.Tensor:
-    """``H = -sum_o p(o) log p(o)`` of a softmax over the last axis (the master's entropy bonus)."""
+def epsilon_soft_log_probs(logits: torch.Tensor, eps: float) -> torch.Tensor:
+    """The epsilon-soft policy over options (Bacon et al. 2017's epsilon-greedy pi_Omega, in soft form)::
+
+        pi^eps(o|s) = (1 - eps) * softmax(z(s))_o + eps / K,      so  pi^eps(o|s) >= eps / K  for every o
+
+    returned as log-probabilities over the last axis (K = ``logits.shape[-1]``), computed stably as
+    ``logaddexp(log(1 - eps) + log_softmax(z), log(eps / K))``. ``eps = 0`` is exactly ``log_softmax(z)``.
+    """
     logp = torch.log_softmax(logits, -1)
+    if eps <= 0.0:
+        return logp
+    K = logits.shape[-1]
+    return torch.logaddexp(logp + math.log1p(-eps), torch.full_like(logp, math.log(eps / K)))
+
+
+def epsilon_soft_probs(logits: torch.Tensor, eps: float) -> torch.Tensor:
+    """The probabilities of :func:`epsilon_soft_log_probs`: ``(1 - eps) softmax(z) + eps / K``, exactly
+    ``softmax(z)`` for eps = 0."""
+    p = torch.softmax(logits, -1)
+    return p if eps <= 0.0 else (1.0 - eps) * p + eps / logits.shape[-1]
+
+
+def categorical_entropy_logp(logp: torch.Tensor) -> torch.Tensor:
+    """``H = -sum_o p(o) log p(o)`` of a distribution given as log-probabilities over the last axis."""
     return -(logp.exp() * logp).sum(-1)
+
+
+def termination_prior_loss(termination_logits: torch.Tensor, beta_0: float) -> torch.Tensor:
+    """A Gaussian prior on every termination logit, centred on the logit of a target rate ``beta_0``::
+
+        L^prior_t = 1/K * sum_o 1/2 * (logit beta_o(s_t) - logit beta_0)^2
+
+    Why: DAC and PPOC learn terminations only from option-value differences, and the first option
+    ahead wins for good: it stops terminating (beta -> 0, picks happen only at episode starts) while
+    the others learn to hand over at once (beta -> 1), so they never run long enough to improve. The
+    prior keeps every termination near ``beta_0`` (mean duration ~ 1 / beta_0) unless the advantage
+    says otherwise, and it pulls on the logit, so a saturated sigmoid still feels it.
+    """
+    z0 = math.log(beta_0) - math.log1p(-beta_0)
+    return 0.5 * ((termination_logits - z0) ** 2).mean(-1)
+
+
+def categorical_entropy(logits: torch.Tensor) -> torch.Tensor:
+    """``H = -sum_o p(o) log p(o)`` of a softmax over the last axis."""
+    return categorical_entropy_logp(torch.log_softmax(logits, -1))
 
 
 def distillation_loss(student_mean: torch.Tensor, teacher_mean: torch.Tensor) -> torch.Tensor:

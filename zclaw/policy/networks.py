@@ -6,6 +6,17 @@ weights message. With ``options = 1`` the master and termination heads are inert
 the single option never needs to terminate) and the model is a plain Gaussian actor-critic, which is
 what makes K = 1 exactly the asynchronous PPO baseline.
 
+The policy over options is epsilon-soft (``PolicyConfig.option_epsilon``; Bacon et al. 2017 pick
+options epsilon-greedily, this is the differentiable form)::
+
+    pi_Omega(o|s) = (1 - eps) softmax(z(s))_o + eps / K
+
+so every option is picked with probability at least eps / K whatever the master's logits z say, and no
+option is starved of data. It is the one distribution used everywhere: sampling and the recorded
+behaviour log-prob here, pi_hat below, the learner's option-level losses and entropies
+(:meth:`OptionPolicy.log_master`). eps = 0 is the plain softmax; the deterministic choice is its argmax
+either way (the mixture is monotone in the softmax).
+
 Call-and-return execution (Sutton, Precup & Singh 1999), as :meth:`OptionPolicy.act` runs it:
 at an episode start pick o ~ pi_Omega(.|s); otherwise keep o_prev unless its termination
 beta_{o_prev}(s) fires, evaluated at the *current* state s (the s' of the previous step), and then pick
@@ -22,6 +33,7 @@ import numpy as np
 import torch
 from torch import nn
 
+from .losses import epsilon_soft_log_probs, epsilon_soft_probs
 from .normalizer import RunningNorm
 
 _ACTIVATIONS = {"tanh": nn.Tanh, "relu": nn.ReLU, "elu": nn.ELU}
@@ -53,18 +65,33 @@ class PolicyConfig:
     init_log_std: float = -0.5
     normalize_obs: bool = True
     obs_clip: float = 10.0
+    # epsilon of the epsilon-soft policy over options (module docstring); 0: plain softmax. Part of the
+    # architecture so that workers (sampling, behaviour log-probs) and the learner (losses) always agree.
+    option_epsilon: float = 0.0
+    # K > 1: intra-option policies as one shared Gaussian plus a residual per option (module docstring)
+    option_residual: bool = False
+
+    def __post_init__(self) -> None:
+        if not 0.0 <= float(self.option_epsilon) < 1.0:
+            raise ValueError(f"option_epsilon = {self.option_epsilon!r} is not allowed: expected 0 <= eps < 1")
 
     def to_dict(self) -> Dict[str, Any]:
         return {
             "obs_dim": self.obs_dim, "act_dim": self.act_dim, "hidden": list(self.hidden),
             "activation": self.activation, "options": self.options, "init_log_std": self.init_log_std,
-            "normalize_obs": self.normalize_obs, "obs_clip": self.obs_clip,
+            "normalize_obs": self.normalize_obs, "obs_clip": self.obs_clip, "option_epsilon": self.option_epsilon,
+            "option_residual": self.option_residual,
         }
 
     @classmethod
     def from_dict(cls, d: Mapping[str, Any]) -> "PolicyConfig":
+        """The inverse of :meth:`to_dict`; dicts written before ``option_epsilon`` existed (old checkpoints
+        and weights headers) mean a plain softmax master, eps = 0; without ``option_residual``, independent
+        option heads."""
         d = dict(d)
         d["hidden"] = tuple(d["hidden"])
+        d["option_epsilon"] = float(d.get("option_epsilon", 0.0))
+        d["option_residual"] = bool(d.get("option_residual", False))
         return cls(**d)
 
 
@@ -77,8 +104,13 @@ class OptionPolicy(nn.Module):
         K, A, H = cfg.options, cfg.act_dim, list(cfg.hidden)
         self.K, self.A = K, A
         self.obs_norm = RunningNorm((cfg.obs_dim,), clip=cfg.obs_clip, enabled=cfg.normalize_obs)
-        self.actor = mlp([cfg.obs_dim] + H + [K * A], cfg.activation, out_gain=0.01)
+        self.residual = K > 1 and bool(cfg.option_residual)
+        # the intra-option means (plus, with residual options, the shared mean as a (K+1)-th head)
+        self.actor = mlp([cfg.obs_dim] + H + [(K + self.residual) * A], cfg.activation, out_gain=0.01)
+        # per-option log std; with residual options the option's half of the mean with ``shared_log_std``
         self.log_std = nn.Parameter(torch.full((K, A), float(cfg.init_log_std)))
+        if self.residual:
+            self.shared_log_std = nn.Parameter(torch.full((A,), float(cfg.init_log_std)))
         self.critic = mlp([cfg.obs_dim] + H + [K], cfg.activation, out_gain=1.0)
         self.master = mlp([cfg.obs_dim] + H + [K], cfg.activation, out_gain=0.01)
         self.termination = mlp([cfg.obs_dim] + H + [K], cfg.activation, out_gain=0.01)
@@ -88,14 +120,37 @@ class OptionPolicy(nn.Module):
 
     # -- heads on normalised observations ------------------------------------------------------
     def action_mean(self, x: torch.Tensor) -> torch.Tensor:
-        """Intra-option means [.., K, A]."""
-        return self.actor(x).reshape(x.shape[:-1] + (self.K, self.A))
+        """Intra-option means [.., K, A]: ``mu_o(s)``, or with residual options the average of the shared
+        head and the option's own, ``(mu(s) + m_o(s)) / 2``.
+
+        The average, not the sum: Adam moves every parameter by about the learning rate whatever its
+        gradient, so a sum of two heads would move an option's mean twice as fast as a single head
+        does; the average keeps K > 1 at K = 1's effective step size.
+        """
+        if not self.residual:
+            return self.actor(x).reshape(x.shape[:-1] + (self.K, self.A))
+        heads = self.actor(x).reshape(x.shape[:-1] + (self.K + 1, self.A))
+        return 0.5 * (heads[..., : self.K, :] + heads[..., self.K :, :])
+
+    def option_log_std(self) -> torch.Tensor:
+        """Intra-option log standard deviations [K, A]: ``log sigma_o``, or ``(log sigma + l_o) / 2``."""
+        return 0.5 * (self.log_std + self.shared_log_std) if self.residual else self.log_std
 
     def q(self, x: torch.Tensor) -> torch.Tensor:
         return self.critic(x)
 
     def master_logits(self, x: torch.Tensor) -> torch.Tensor:
+        """The master's raw logits z(s); the policy over options is :meth:`log_master`, not their softmax."""
         return self.master(x)
+
+    def log_master(self, x: torch.Tensor) -> torch.Tensor:
+        """log pi_Omega(.|s) = log[(1 - eps) softmax(z(s)) + eps / K], the epsilon-soft policy over options
+        (exactly ``log_softmax(z)`` for eps = 0)."""
+        return epsilon_soft_log_probs(self.master_logits(x), float(self.cfg.option_epsilon))
+
+    def master_probs(self, x: torch.Tensor) -> torch.Tensor:
+        """pi_Omega(.|s) itself, the probabilities of :meth:`log_master` (exactly ``softmax(z)`` for eps = 0)."""
+        return epsilon_soft_probs(self.master_logits(x), float(self.cfg.option_epsilon))
 
     def beta(self, x: torch.Tensor) -> torch.Tensor:
         return torch.sigmoid(self.termination(x))
@@ -106,7 +161,7 @@ class OptionPolicy(nn.Module):
         return (-((a - mean) ** 2) / (2 * var) - log_std - 0.5 * math.log(2 * math.pi)).sum(-1)
 
     def gaussian_entropy(self, option: torch.Tensor) -> torch.Tensor:
-        return (0.5 + 0.5 * math.log(2 * math.pi) + self.log_std[option]).sum(-1)
+        return (0.5 + 0.5 * math.log(2 * math.pi) + self.option_log_std()[option]).sum(-1)
 
     def call_and_return_logits(self, x: torch.Tensor, prev_option: torch.Tensor, start: torch.Tensor) -> torch.Tensor:
         """log pi_hat(.|s, o_prev) = log[(1 - beta_{o_prev}(s)) [o = o_prev] + beta_{o_prev}(s) pi_Omega(o|s)].
@@ -114,9 +169,10 @@ class OptionPolicy(nn.Module):
         ``x`` is the state the choice is made in, i.e. the s' reached by the previous step: the
         termination of the option that was running is evaluated there (not at the state it started
         from, the bug of the widely copied option-critic port). At an episode start (``start``)
-        beta = 1: always pick afresh. For K = 1 the single option has probability 1 (log = 0).
+        beta = 1: always pick afresh. pi_Omega is the epsilon-soft :meth:`log_master`. For K = 1 the
+        single option has probability 1 (log = 0).
         """
-        log_master = torch.log_softmax(self.master_logits(x), -1)
+        log_master = self.log_master(x)
         if self.K == 1:
             return torch.zeros_like(log_master)
         prev = prev_option.clamp(0, self.K - 1)
@@ -126,7 +182,8 @@ class OptionPolicy(nn.Module):
     def mix_call_and_return(
         self, log_master: torch.Tensor, beta_prev: torch.Tensor, prev: torch.Tensor, start: torch.Tensor
     ) -> torch.Tensor:
-        """The formula of :meth:`call_and_return_logits` from heads already evaluated (``prev`` in range)."""
+        """The formula of :meth:`call_and_return_logits` from heads already evaluated (``prev`` in range;
+        ``log_master`` is :meth:`log_master`, the epsilon-soft log pi_Omega)."""
         beta = torch.where(start, torch.ones_like(beta_prev), beta_prev)
         stay = torch.nn.functional.one_hot(prev, self.K).to(log_master.dtype)
         probs = (1 - beta).unsqueeze(-1) * stay + beta.unsqueeze(-1) * log_master.exp()
@@ -145,8 +202,9 @@ class OptionPolicy(nn.Module):
         """One call-and-return step for a batch of envs; returns what a segment records.
 
         The termination b ~ Bernoulli(beta_{o_prev}(s)) is drawn explicitly (deterministic: beta > 1/2),
-        then o ~ pi_Omega(.|s) if b fired or the episode starts, else o = o_prev. ``option_start`` is
-        exactly "b fired or episode start" (a fresh pick, which may pick o_prev again); the recorded
+        then o ~ pi_Omega(.|s) (the epsilon-soft :meth:`log_master`; deterministic: its argmax, which is
+        the softmax's) if b fired or the episode starts, else o = o_prev. ``option_start`` is exactly
+        "b fired or episode start" (a fresh pick, which may pick o_prev again); the recorded
         ``logp_option`` is the marginal log pi_hat(o|s, o_prev) of the choice, the behaviour log-prob
         that DAC's high-level PPO ratio needs.
         """
@@ -158,7 +216,7 @@ class OptionPolicy(nn.Module):
             option_start = episode_start.clone()
         else:
             prev = prev_option.clamp(0, self.K - 1)
-            log_master = torch.log_softmax(self.master_logits(x), -1)
+            log_master = self.log_master(x)
             beta = self.beta(x).gather(-1, prev.unsqueeze(-1)).squeeze(-1)
             if deterministic:
                 fired, picked = beta > 0.5, log_master.argmax(-1)
@@ -170,7 +228,7 @@ class OptionPolicy(nn.Module):
             logits = self.mix_call_and_return(log_master, beta, prev, episode_start)  # no second MLP pass
             logp_option = logits.gather(-1, option.unsqueeze(-1)).squeeze(-1)
         mean = self.option_mean(x, option)
-        log_std = self.log_std[option]
+        log_std = self.option_log_std()[option]
         action = mean if deterministic else mean + torch.randn_like(mean) * log_std.exp()
         return {
             "action": action,

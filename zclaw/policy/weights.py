@@ -16,16 +16,23 @@ from .networks import OptionPolicy, PolicyConfig
 
 
 def policy_config(policy_section: Mapping[str, Any], spec: EnvSpec) -> PolicyConfig:
-    """The architecture from the run config's ``[policy]`` section and the env spec."""
+    """The architecture from the run config's ``[policy]`` section and the env spec.
+
+    ``option_epsilon`` is stored as 0 for K = 1, where the master is inert and it means nothing: a flat
+    run's architecture does not depend on it (and matches checkpoints written before it existed).
+    """
+    options = int(policy_section["options"])
     return PolicyConfig(
         obs_dim=int(np.prod(spec.obs_shape)),
         act_dim=int(np.prod(spec.action_shape)),
         hidden=tuple(policy_section["hidden"]),
         activation=policy_section["activation"],
-        options=int(policy_section["options"]),
+        options=options,
         init_log_std=float(policy_section["init_log_std"]),
         normalize_obs=bool(policy_section["normalize_obs"]),
         obs_clip=float(policy_section["obs_clip"]),
+        option_epsilon=float(policy_section.get("option_epsilon", 0.0)) if options > 1 else 0.0,
+        option_residual=bool(policy_section.get("option_residual", False)) and options > 1,
     )
 
 
