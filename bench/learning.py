@@ -1,9 +1,11 @@
-"""Wall time to a solved arm task: zclaw K = 1, zclaw K = 4 and SB3 PPO, one after another on this machine.
+"""Wall time to a solved arm task: zclaw K = 1, zclaw K = 4, SB3 PPO and (Reacher) Sample Factory APPO.
 
 Usage::
 
-    python bench/learning.py                                   # 3 tasks x 3 variants x 3 seeds, 600 s each
+    python bench/learning.py                                   # 3 tasks x 4 variants x 3 seeds, 600 s each
     python bench/learning.py --tasks reacher --seeds 1 --cap 180 --md /tmp/table.md
+    python bench/learning.py --cap reacher=180,pusher=240,fetch_reach=100  # a cap per task
+    python bench/learning.py --tasks reacher --variants k1,sb3,sf --sf-python /work/sf-venv/bin/python
 
 Each run is its own process tree with the same CPU budget (the whole machine, one run at a time) and
 a wall-time cap; a run that misses a threshold reports "> cap". Thresholds (the mean over the last
@@ -15,7 +17,14 @@ a wall-time cap; a run that misses a threshold reports "> cap". Thresholds (the 
   ``learner_final.json``; teacher vs student evaluation from ``zclaw eval RUN --json``.
 * SB3 PPO (``pip install stable-baselines3``; a bench dependency, not a project one): 8 envs,
   VecNormalize, SB3's defaults, the same clock (from process launch), the same last-100 statistic.
-* Sample Factory APPO on Reacher is added when ``import sample_factory`` works (``--sf``).
+* Sample Factory APPO (variant ``sf``, Reacher only; the other tasks skip it): ``bench/sf_reacher.py``
+  run by ``--sf-python``, the python of a separate venv that has Sample Factory (it pins gymnasium
+  < 1.0 and numpy < 2, so it is neither a project nor a bench dependency; that file's docstring
+  has the recipe). Sample Factory's MuJoCo defaults (APPO hyperparameters of its MuJoCo example),
+  min(8, CPUs) rollout workers x 8 envs, CPU; the same clock, the same last-100 statistic (logged
+  every ~2 s), and its process group is killed at the cap. The env id it ran (Reacher-v5, or v4
+  with Sample Factory's own gymnasium) is noted under the table. Skipped, with the reason printed,
+  when that python cannot import Sample Factory.
 
 Prints a markdown table (median and range of the time to threshold, ratio to SB3's median, final
 value) ready for ``docs/benchmarks.md``, plus K = 4 vs K = 1, option figures and student vs teacher.
@@ -26,6 +35,7 @@ import argparse
 import json
 import os
 import platform
+import signal
 import statistics
 import subprocess
 import sys
@@ -42,6 +52,9 @@ TASKS: Dict[str, Dict[str, Any]] = {
     "fetch_reach": {"env": "FetchReachDense-v4", "config": "configs/fetch_reach.toml", "metric": "success",
                     "threshold": 0.9},
 }
+
+SF_NAME = "sample factory appo"
+NAMES: Dict[str, str] = {"k1": "zclaw K=1", "k4": "zclaw K=4", "sb3": "sb3 ppo", "sf": SF_NAME}
 
 FREE_PORTS = ["network.ingest_port=0", "network.serve_port=0", "network.publish_port=0", "network.learner_port=0"]
 
@@ -135,7 +148,7 @@ def run_sb3(task: str, seed: int, cap: float, out: Path) -> Dict[str, Any]:
     spec = TASKS[task]
     t0 = time.time()
     p = subprocess.run([sys.executable, "-c", SB3_SCRIPT, spec["env"], str(seed), str(cap), repr(t0)],
-                       capture_output=True, text=True, timeout=cap + 300, env=dict(os.environ, OMP_NUM_THREADS="1"))
+                       capture_output=True, text=True, timeout=cap + 300)
     (out / f"sb3-{task}-s{seed}.log").write_text(p.stdout + p.stderr)
     points = []
     for line in p.stdout.splitlines():
@@ -146,6 +159,79 @@ def run_sb3(task: str, seed: int, cap: float, out: Path) -> Dict[str, Any]:
         points.append((d["t"], d.get(spec["metric"])))
     final = next((v for _, v in reversed(points) if v is not None), None)
     return {"time": first_crossing(points, spec["threshold"]), "final": final, "error": p.returncode != 0}
+
+
+# -- Sample Factory APPO (Reacher) ------------------------------------------------------------------
+
+SF_PYTHON = "/work/sf-venv/bin/python"
+SF_TASKS = ("reacher",)
+
+
+def sf_missing(sf_python: str) -> Optional[str]:
+    """Why the ``sf`` variant cannot run with this python, or None when it can."""
+    if not Path(sf_python).is_file():
+        return f"{sf_python} does not exist (see bench/sf_reacher.py for the venv recipe)"
+    try:
+        p = subprocess.run([sf_python, "-c", "import sample_factory, sf_examples.mujoco.mujoco_params, mujoco"],
+                           capture_output=True, text=True, timeout=300)
+    except (OSError, subprocess.TimeoutExpired) as e:
+        return f"{sf_python} failed to start: {e}"
+    if p.returncode != 0:
+        lines = (p.stderr or p.stdout).strip().splitlines()
+        return f"{sf_python} cannot import Sample Factory: {lines[-1] if lines else 'exit ' + str(p.returncode)}"
+    return None
+
+
+def kill_group(p: subprocess.Popen[Any], grace: float = 10.0) -> None:
+    """SIGTERM the process group that ``p`` leads (workers too, even if ``p`` already exited), then
+    SIGKILL whatever is left after ``grace`` s. Waiting for the whole group matters: Python's
+    multiprocessing resource tracker ignores SIGTERM and removes the run's semaphores from /dev/shm
+    once the others are gone, unless a SIGKILL gets it first."""
+    for sig in (signal.SIGTERM, signal.SIGKILL):
+        end = time.time() + grace
+        try:
+            os.killpg(p.pid, sig)
+            while time.time() < end:
+                p.poll()  # reap the leader, or the group never empties
+                os.killpg(p.pid, 0)
+                time.sleep(0.2)
+        except ProcessLookupError:
+            return
+
+
+def run_sf(task: str, seed: int, cap: float, out: Path, sf_python: str) -> Dict[str, Any]:
+    """``bench/sf_reacher.py`` in its own process group, killed (TERM, then KILL) at the cap."""
+    spec = TASKS[task]
+    log_path = out / f"sf-{task}-s{seed}.log"
+    workers = min(8, os.cpu_count() or 1)
+    t0 = time.time()
+    cmd = [sf_python, str(ROOT / "bench" / "sf_reacher.py"), "--seed", str(seed), "--cap", str(cap), "--t0", repr(t0),
+           "--train-dir", str(out / f"sf-{task}-s{seed}"), "--workers", str(workers), "--envs-per-worker", "8"]
+    with open(log_path, "w") as log:
+        p = subprocess.Popen(cmd, cwd=str(ROOT), stdin=subprocess.DEVNULL, stdout=log, stderr=subprocess.STDOUT,
+                             env=dict(os.environ, OMP_NUM_THREADS="1"), start_new_session=True)
+        killed = False
+        try:
+            p.wait(timeout=max(0.0, t0 + cap - time.time()))
+        except subprocess.TimeoutExpired:
+            killed = True
+        finally:  # also on Ctrl-C: the group is in its own session, so a terminal's SIGINT misses it
+            kill_group(p)
+    env_id, points = None, []
+    for line in log_path.read_text(errors="replace").splitlines():
+        if not line.startswith("{"):
+            continue
+        try:
+            d = json.loads(line)
+        except ValueError:
+            continue
+        if "env" in d:
+            env_id = d["env"]
+        elif "t" in d and d["t"] <= cap:
+            points.append((d["t"], d.get(spec["metric"])))
+    final = next((v for _, v in reversed(points) if v is not None), None)
+    return {"time": first_crossing(points, spec["threshold"]), "final": final, "env": env_id,
+            "error": (not killed and p.returncode != 0) or not points}
 
 
 # -- table ----------------------------------------------------------------------------------------
@@ -162,19 +248,39 @@ def fmt_times(times: List[Optional[float]], cap: float) -> Tuple[str, Optional[f
     return f"{f(med)} s ({rng})", (med if med != float("inf") else None)
 
 
-def table(results: Dict[str, Dict[str, List[Dict[str, Any]]]], cap: float, seeds: int) -> str:
+def parse_caps(text: str, tasks: List[str]) -> Dict[str, float]:
+    """``--cap``: one number of seconds for every task, or ``task=seconds`` pairs naming each task."""
+    try:
+        if "=" not in text:
+            return {t: float(text) for t in tasks}
+        caps = {k.strip(): float(v) for k, v in (item.split("=", 1) for item in text.split(","))}
+    except ValueError:
+        raise SystemExit(f"--cap {text!r}: expected seconds (600) or task=seconds pairs (reacher=180,pusher=240)")
+    missing = [t for t in tasks if t not in caps]
+    if missing:
+        raise SystemExit(f"--cap {text!r} names no cap for {', '.join(missing)}")
+    return caps
+
+
+def table(results: Dict[str, Dict[str, List[Dict[str, Any]]]], caps: Dict[str, float], seeds: int) -> str:
     lines = [f"Machine: {platform.node()} ({platform.processor() or platform.machine()}, {os.cpu_count()} CPUs), "
-             f"{seeds} seed(s), cap {cap:.0f} s per run, one run at a time.", "",
+             f"{seeds} seed(s), one run at a time; cap per run: "
+             + ", ".join(f"{t} {c:.0f} s" for t, c in caps.items() if t in results) + ".", "",
              "| task | threshold | variant | time to threshold, median (range) | vs SB3 median | final (median) |",
              "|---|---|---|---|---|---|"]
     for task, by_variant in results.items():
-        spec = TASKS[task]
+        spec, cap = TASKS[task], caps[task]
         thr = f"{spec['metric']} >= {spec['threshold']}"
         sb3 = by_variant.get("sb3 ppo")
         _, sb3_med = fmt_times([r["time"] for r in sb3], cap) if sb3 else ("-", None)
         for variant, runs in by_variant.items():
             text, med = fmt_times([r["time"] for r in runs], cap)
-            ratio = f"{med / sb3_med:.2f}x" if (med is not None and sb3_med) else "-"
+            if med is not None and sb3_med:
+                ratio = f"{med / sb3_med:.2f}x"
+            elif med is not None and sb3:  # SB3's median missed the cap: the ratio is at most med / cap
+                ratio = f"< {med / cap:.2f}x"
+            else:
+                ratio = "-"
             finals = [r["final"] for r in runs if r.get("final") is not None]
             fin = f"{statistics.median(finals):.3f}" if finals else "-"
             lines.append(f"| {task} | {thr} | {variant} | {text} | {ratio} | {fin} |")
@@ -186,6 +292,9 @@ def table(results: Dict[str, Dict[str, List[Dict[str, Any]]]], cap: float, seeds
             f4 = [r["final"] for r in k4 if r.get("final") is not None]
             if f1 and f4:
                 lines.append(f"- {task}: final K=4 {statistics.median(f4):.3f} vs K=1 {statistics.median(f1):.3f}")
+        envs = sorted({str(r.get("env")) for r in by_variant.get(SF_NAME, [])})
+        if envs:
+            lines.append(f"- {task} {SF_NAME}: env {', '.join(envs)} (the other variants: {TASKS[task]['env']})")
         for variant in ("zclaw K=1", "zclaw K=4"):
             for r in by_variant.get(variant, []):
                 o = r.get("options") or {}
@@ -212,36 +321,52 @@ def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--tasks", default="reacher,pusher,fetch_reach")
     ap.add_argument("--seeds", type=int, default=3)
-    ap.add_argument("--cap", type=float, default=600.0)
-    ap.add_argument("--variants", default="k1,k4,sb3", help="comma list of k1, k4, sb3")
+    ap.add_argument("--cap", default="600", help="seconds per run: one number, or task=seconds pairs")
+    ap.add_argument("--variants", default="k1,k4,sb3,sf",
+                    help="comma list of k1, k4, sb3, sf (Sample Factory APPO, Reacher only; needs --sf-python)")
+    ap.add_argument("--sf-python", default=SF_PYTHON,
+                    help="python of the venv with Sample Factory, for the sf variant (default: %(default)s)")
     ap.add_argument("--out", default=None, help="directory for run dirs and logs (default: a temp dir)")
     ap.add_argument("--md", default=None, help="also write the markdown table to this file")
     args = ap.parse_args()
     out = Path(args.out or tempfile.mkdtemp(prefix="zclaw-bench-"))
     out.mkdir(parents=True, exist_ok=True)
     variants = args.variants.split(",")
+    unknown = [v for v in variants if v not in NAMES]
+    if unknown:
+        raise SystemExit(f"--variants: unknown {', '.join(unknown)}; known: {', '.join(NAMES)}")
+    tasks = args.tasks.split(",")
+    caps = parse_caps(args.cap, tasks)
+    sf_skip = sf_missing(args.sf_python) if "sf" in variants and set(tasks) & set(SF_TASKS) else None
     results: Dict[str, Dict[str, List[Dict[str, Any]]]] = {}
-    for task in args.tasks.split(","):
+    for task in tasks:
         if task not in TASKS:
             raise SystemExit(f"--tasks: unknown task {task!r}; known: {', '.join(TASKS)}")
         results[task] = {}
         for variant in variants:
-            name = {"k1": "zclaw K=1", "k4": "zclaw K=4", "sb3": "sb3 ppo"}[variant]
+            name = NAMES[variant]
+            if variant == "sf" and (task not in SF_TASKS or sf_skip):
+                why = sf_skip or f"only on {', '.join(SF_TASKS)}"
+                print(f"[bench] {task} {name}: skipped ({why})", flush=True)
+                continue
             runs = []
             for seed in range(args.seeds):
-                print(f"[bench] {task} {name} seed {seed} (cap {args.cap:.0f} s)", flush=True)
+                cap = caps[task]
+                print(f"[bench] {task} {name} seed {seed} (cap {cap:.0f} s)", flush=True)
                 if variant == "sb3":
-                    r = run_sb3(task, seed, args.cap, out)
+                    r = run_sb3(task, seed, cap, out)
+                elif variant == "sf":
+                    r = run_sf(task, seed, cap, out, args.sf_python)
                 else:
-                    r = run_zclaw(task, 1 if variant == "k1" else 4, seed, args.cap, out)
+                    r = run_zclaw(task, 1 if variant == "k1" else 4, seed, cap, out)
                 print(f"[bench]   time to threshold {r['time']}, final {r['final']}", flush=True)
                 runs.append(r)
             results[task][name] = runs
-    md = table(results, args.cap, args.seeds)
-    print(md)
-    (out / "results.json").write_text(json.dumps(results, indent=2, default=str))
-    if args.md:
-        Path(args.md).write_text(md + "\n")
+            # after every variant: what is done so far survives an interrupted invocation
+            (out / "results.json").write_text(json.dumps(results, indent=2, default=str))
+            if args.md:
+                Path(args.md).write_text(table(results, caps, args.seeds) + "\n")
+    print(table(results, caps, args.seeds))
 
 
 if __name__ == "__main__":
