@@ -154,6 +154,25 @@ def test_segment_shape_mismatch_is_bad_shape() -> None:
     assert info.value.cause == "bad_shape"
 
 
+def test_option_indices_are_bounded_by_the_most_options_a_policy_may_have() -> None:
+    """Option indices are refused from MAX_OPTIONS (= config's policy.options limit) on: this bounds what a
+    receiver keeps per option (the broker's option-balanced count table is capacity x options)."""
+    from zclaw.config import SCHEMA
+    from zclaw.wire.messages import MAX_OPTIONS
+
+    assert SCHEMA["policy"]["options"].max == MAX_OPTIONS
+    for option, ok in ((MAX_OPTIONS - 1, True), (MAX_OPTIONS, False), (1 << 15, False)):
+        arrays = golden.segment_arrays()
+        arrays["option"] = np.full_like(arrays["option"], option)
+        msg = parse(make("segment", arrays, worker="w", seq=1, spec_hash=golden.SPEC.hash, episodes=[]))
+        if ok:
+            assert segment_dims(msg, golden.SPEC) == (3, 2, 1)
+        else:
+            with pytest.raises(WireError) as info:
+                segment_dims(msg, golden.SPEC)
+            assert info.value.cause == "bad_value"
+
+
 def test_make_refuses_headers_that_break_the_schema() -> None:
     with pytest.raises(WireError):
         make("retry", reason="x")  # retry_ms missing

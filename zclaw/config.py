@@ -12,6 +12,8 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Callable, Dict, List, Mapping, Optional, Sequence, Tuple
 
+from .wire.messages import MAX_OPTIONS
+
 if sys.version_info >= (3, 11):
     import tomllib
 else:  # Python 3.8-3.10 (Isaac Gym workers run on 3.8)
@@ -183,7 +185,7 @@ SCHEMA: Dict[str, Dict[str, Key]] = {
     "policy": {
         "hidden": Key([64, 64], "hidden layer sizes of the actor and critic MLPs", type=list),
         "activation": Key("tanh", "hidden activation", choices=("tanh", "relu", "elu")),
-        "options": Key(1, "number of options K (1: flat PPO)", min=1, max=64),
+        "options": Key(1, "number of options K (1: flat PPO)", min=1, max=MAX_OPTIONS),
         "init_log_std": Key(-0.5, "initial log standard deviation of the Gaussian policies"),
         "normalize_obs": Key(True, "running mean/variance observation normalisation"),
         "obs_clip": Key(10.0, "clip normalised observations to +-obs_clip", min=0),

@@ -190,7 +190,12 @@ FINAL_ARRAYS: Dict[str, Tuple[str, Any]] = {
 EPISODE_KEYS = {"return": _NUM, "length": (int,), "success": (bool, type(None))}
 
 
-def segment_dims(msg: Message, spec: EnvSpec, max_options: int = 1 << 16) -> Tuple[int, int, int]:
+#: the most options a policy may have (``policy.options``); an option index at or above it is refused,
+#: which also bounds what a receiver keeps per option (the broker's option-balanced counts)
+MAX_OPTIONS = 64
+
+
+def segment_dims(msg: Message, spec: EnvSpec, max_options: int = MAX_OPTIONS) -> Tuple[int, int, int]:
     """Check a segment's arrays against ``spec``; return (T, N, M). Raise :class:`WireError` if off."""
     if msg.kind != "segment":
         raise WireError("unexpected_kind", msg.kind)
