@@ -57,6 +57,8 @@ from .trainer import Trainer
 
 PUB_HWM = 4  # weights messages are large and only the newest matters: never queue many
 RATE_WINDOW_S = 30.0
+#: how long the metrics line waits for the broker's status (one try; the last report is kept otherwise)
+STATUS_TIMEOUT_MS = 500
 
 
 class _Service(threading.Thread):
@@ -156,6 +158,8 @@ class Learner:
         self.pub: Optional[zmq.Socket] = None
         self.service: Optional[_Service] = None
         self.broker: Optional[LazyPirate] = None  # status and hello: one question, one answer
+        #: the broker status asked for the metrics line: one try, a short wait, never in the way of training
+        self.broker_status: Optional[LazyPirate] = None
         self.batches: Optional[CreditPirate] = None  # sample requests, learner.prefetch of them in flight
         self.writer: Any = None
         self.spec: Optional[EnvSpec] = None
@@ -206,6 +210,7 @@ class Learner:
         client = dict(timeout_ms=int(self.net["request_timeout_ms"]), retries=None, max_message_bytes=max_bytes,
                       log=self.log, curve=self.security.client("broker"))
         self.broker = LazyPirate(self.ctx, broker_at, **client)
+        self.broker_status = LazyPirate(self.ctx, broker_at, **dict(client, retries=0, timeout_ms=STATUS_TIMEOUT_MS))
         self.batches = CreditPirate(self.ctx, broker_at, credit=int(self.lcfg["prefetch"]), **client)
         self._report(state="waiting for env spec")
         return None
@@ -435,8 +440,8 @@ class Learner:
         by-product and must not stop training.
         """
         try:
-            if ask_broker and self.broker is not None:
-                reply = self.broker.request(make("status"), ("status",), stop=self.stop.is_set)
+            if ask_broker and self.broker_status is not None:  # a broker that does not answer: last report kept
+                reply = self.broker_status.request(make("status"), ("status",), stop=self.stop.is_set)
                 if reply is not None and isinstance(reply.get("report"), dict):
                     self.broker_report = reply["report"]
             rep = self.report()
@@ -530,7 +535,7 @@ class Learner:
         self.stop.set()
         if self.service is not None:
             self.service.join(timeout=5)
-        for client in (self.broker, self.batches):
+        for client in (self.broker, self.broker_status, self.batches):
             if client is not None:
                 client.close()
         if self.pub is not None:
