@@ -45,8 +45,9 @@ from ..policy.health import OptionHealth
 from ..policy.networks import OptionPolicy
 from ..wire import Message
 
-LOSS_KEYS = ("loss/policy", "loss/value", "loss/entropy", "loss/master", "loss/termination", "loss/termination_prior",
-             "loss/master_entropy", "loss/student", "loss/total", "approx_kl", "clip_frac", "grad_norm")
+LOSS_KEYS = ("loss/policy", "loss/value", "loss/entropy", "loss/master", "loss/termination",
+             "loss/termination_prior", "loss/master_entropy", "loss/student", "loss/total", "approx_kl",
+             "clip_frac", "grad_norm")
 
 
 class Trainer:

@@ -17,6 +17,12 @@ behaviour log-prob here, pi_hat below, the learner's option-level losses and ent
 (:meth:`OptionPolicy.log_master`). eps = 0 is the plain softmax; the deterministic choice is its argmax
 either way (the mixture is monotone in the softmax).
 
+With ``PolicyConfig.option_residual`` (K > 1) the intra-option Gaussians share half their parameters:
+``mu_o(s) = (mu(s) + m_o(s)) / 2`` and ``log sigma_o = (log sigma + l_o) / 2``, the shared head being a
+(K+1)-th output of ``actor`` and ``shared_log_std``. Every step trains the shared half, so an option the
+master seldom picks still acts about as well as the others; without it the first option ahead takes all
+the data and the rest are abandoned untrained (docs/learning.md, "When one option takes all the usage").
+
 Call-and-return execution (Sutton, Precup & Singh 1999), as :meth:`OptionPolicy.act` runs it:
 at an episode start pick o ~ pi_Omega(.|s); otherwise keep o_prev unless its termination
 beta_{o_prev}(s) fires, evaluated at the *current* state s (the s' of the previous step), and then pick
