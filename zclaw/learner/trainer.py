@@ -321,13 +321,17 @@ class Trainer:
         (all of the epsilon-soft pi_Omega the workers sample from, :meth:`OptionPolicy.log_master`)."""
         model = self.model
         x, w, known = mb["x"], mb["w"], mb["known"]
+        # each head once per minibatch: the master and the termination logits serve every term below
         log_master = model.log_master(x)
+        term_logits = model.termination(x)
+        prev = mb["prev_option"].clamp(0, model.K - 1)
+        beta_prev = torch.sigmoid(term_logits).gather(-1, prev.unsqueeze(-1)).squeeze(-1)  # beta_{o_{t-1}}(x_t)
+        prior = losses.termination_prior_loss(term_logits, float(self.cfg.get("termination_prior", 0.05)))
         out = {"loss/master_entropy": losses.weighted_mean(losses.categorical_entropy_logp(log_master), w),
-               "loss/termination_prior": losses.weighted_mean(
-                   losses.termination_prior_loss(model.termination(x), float(self.cfg.get("termination_prior", 0.05))),
-                   w)}
+               "loss/termination_prior": losses.weighted_mean(prior, w)}
         if self.mode == "dac":
-            log_pi_hat = self._logp_option(x, mb["prev_option"], mb["ep_start"], mb["option"])
+            log_pi_hat = model.mix_call_and_return(log_master, beta_prev, prev, mb["ep_start"]).gather(
+                -1, mb["option"].unsqueeze(-1)).squeeze(-1)
             adv_h = losses.masked_normalize(mb["adv_high"], known)
             hl = losses.dac_high_loss(log_pi_hat, mb["logp_mu_option"], adv_h, clip)
             out["loss/master"] = losses.masked_mean(hl, known, w)
@@ -339,7 +343,6 @@ class Trainer:
             w_is = losses.truncated_is(mb["log_rho_option"], rho_bar)
             out["loss/master"] = losses.masked_mean(losses.ppoc_master_loss(log_pi_omega, adv_m, w_is), picked, w)
             decision = known & ~mb["ep_start"]  # beta_{o_{t-1}} was consulted at x_t (= s' of step t-1)
-            beta_prev = model.beta(x).gather(-1, mb["prev_option"].unsqueeze(-1)).squeeze(-1)
             out["loss/termination"] = losses.masked_mean(
                 losses.ppoc_termination_loss(beta_prev, mb["q_prev"], mb["v"], float(self.cfg.get("xi", 0.0))),
                 decision, w)
