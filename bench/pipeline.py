@@ -4,8 +4,9 @@ A synthetic producer (no physics: a preallocated segment of T x N steps, re-enco
 time, exactly as a worker's segment) pushes as fast as the socket takes it. Run A: the real `zclaw
 broker` process stores the segments and a consume-only learner loop (the learner's own client,
 ``CreditPirate`` with ``--prefetch`` requests in flight; decode, validate with batch_dims, discard)
-pulls batches. Run B: the same producer pushes the same frames to a bare PULL
-that only receives. Both are measured in this one invocation; the ratio A / B is the figure (target >= 0.5).
+pulls batches. Run B: the same producer pushes the same frames to a bare PULL that receives and
+decodes them with the same calls the broker's ingest uses (``recv_frames``, ``parse``). Both are
+measured in this one invocation; the ratio A / B is the figure (target >= 0.5).
 
 Run A goes once per ``broker.when_full`` mode: ``evict`` (the default; a producer this fast overruns the
 consumer, so the broker also spends CPU on segments it then throws away, counted as evicted unused) and
@@ -32,7 +33,7 @@ from typing import Tuple
 import numpy as np
 import zmq
 
-from zclaw.wire import CreditPirate, EnvSpec, Segment, make, parse
+from zclaw.wire import CreditPirate, EnvSpec, Segment, make, parse, recv_frames
 from zclaw.wire.messages import SEGMENT_ARRAYS, batch_dims
 
 SPEC = EnvSpec("gym:Reacher-v5", (10,), (2,), (-1.0, -1.0), (1.0, 1.0))
@@ -78,10 +79,10 @@ def run_raw(seconds: float, T: int, N: int) -> float:
     port = pull.bind_to_random_port("tcp://127.0.0.1")
     p = mp.Process(target=produce, args=(f"tcp://127.0.0.1:{port}", T, N, False), daemon=True)
     p.start()
-    pull.recv_multipart(copy=False)
+    recv_frames(pull)
     n, t0 = 0, time.perf_counter()
     while time.perf_counter() - t0 < seconds:
-        parse(pull.recv_multipart(copy=False))
+        parse(recv_frames(pull))
         n += T * N
     rate = n / (time.perf_counter() - t0)
     p.terminate(); p.join()

@@ -116,6 +116,12 @@ def _with_header(frames: list, **changes: object) -> list:
         (lambda f: f[:1] + [f[1][:-4]] + f[2:], "bad_length"),
         (lambda f: _with_header(f, arrays=[[a[0], "|O", a[2]] for a in _header(f)["arrays"]]), "bad_dtype"),
         (lambda f: _with_header(f, arrays=[[a[0], a[1], [-1]] for a in _header(f)["arrays"]]), "bad_shape"),
+        (lambda f: _with_header(f, arrays=[[a[0], a[1], [True] + a[2][1:]] for a in _header(f)["arrays"]]),
+         "bad_shape"),
+        (lambda f: _with_header(f, arrays=[[a[0], a[1], [2.0] + a[2][1:]] for a in _header(f)["arrays"]]),
+         "bad_shape"),
+        (lambda f: _with_header(f, arrays=[[a[0], a[1], [1 << 40]] for a in _header(f)["arrays"]]), "bad_shape"),
+        (lambda f: _with_header(f, arrays=[[a[0], a[1], [1] * 9] for a in _header(f)["arrays"]]), "bad_shape"),
     ],
 )
 def test_malformed_messages_raise_wire_error_with_cause(mutate, cause: str) -> None:
@@ -161,7 +167,8 @@ def test_option_indices_are_bounded_by_the_most_options_a_policy_may_have() -> N
     from zclaw.wire.messages import MAX_OPTIONS
 
     assert SCHEMA["policy"]["options"].max == MAX_OPTIONS
-    for option, ok in ((MAX_OPTIONS - 1, True), (MAX_OPTIONS, False), (1 << 15, False)):
+    for option, ok in ((0, True), (MAX_OPTIONS - 1, True), (MAX_OPTIONS, False), (1 << 15, False), (-1, False),
+                       (-(1 << 31), False)):
         arrays = golden.segment_arrays()
         arrays["option"] = np.full_like(arrays["option"], option)
         msg = parse(make("segment", arrays, worker="w", seq=1, spec_hash=golden.SPEC.hash, episodes=[]))
@@ -211,3 +218,61 @@ def test_unpack_rejects_truncated_packed_frame() -> None:
         unpack(packed[:-3])
     with pytest.raises(WireError):
         unpack(packed + b"x")
+
+
+@pytest.fixture()
+def tcp_pair():
+    """A real PUSH -> PULL pair on loopback TCP."""
+    import zmq
+
+    ctx = zmq.Context()
+    push, pull = ctx.socket(zmq.PUSH), ctx.socket(zmq.PULL)
+    port = pull.bind_to_random_port("tcp://127.0.0.1")
+    push.connect(f"tcp://127.0.0.1:{port}")
+    yield push, pull
+    push.close(0), pull.close(0)
+    ctx.term()
+
+
+def test_recv_frames_is_recv_multipart_and_raises_again_when_empty(tcp_pair) -> None:
+    import zmq
+
+    from zclaw.wire import recv_frames
+
+    push, pull = tcp_pair
+    frames = load_golden("segment")
+    push.send_multipart(frames)
+    push.send_multipart([b"one"])
+    got = recv_frames(pull)
+    assert [f.bytes for f in got] == list(frames)
+    assert [f.bytes for f in recv_frames(pull)] == [b"one"]
+    with pytest.raises(zmq.Again):
+        recv_frames(pull, zmq.NOBLOCK)
+
+
+def test_received_arrays_are_sent_on_as_their_frames(tcp_pair) -> None:
+    """A decoded array is a view of its frame; encoding it again (as the broker's store does, through a
+    read-only view) hands ZeroMQ that same frame, shared by reference count, while arrays that are part
+    of a frame, or made here, go as bytes."""
+    import zmq
+
+    from zclaw.wire import recv_frames
+
+    push, pull = tcp_pair
+    big = np.arange(20000, dtype=np.float32).reshape(100, 200)
+    push.send_multipart(encode({"kind": "status"}, {"big": big, "small": np.ones(3, np.int32)}), copy=False)
+    received = recv_frames(pull)
+    msg = decode(received)
+    stored = msg.arrays["big"].view()
+    stored.flags.writeable = False
+    frames = encode({"kind": "status"}, {"big": stored, "row": msg.arrays["big"][3],
+                                         "mine": big, "parts": [msg.arrays["big"], msg.arrays["big"]]})
+    assert frames[1] is received[1]  # the received frame itself
+    assert not isinstance(frames[2], zmq.Frame) and not isinstance(frames[3], zmq.Frame)
+    assert frames[4] is received[1] and frames[5] is received[1]
+    push.send_multipart(frames, copy=False)
+    back = decode(recv_frames(pull))
+    np.testing.assert_array_equal(back.arrays["big"], big)
+    np.testing.assert_array_equal(back.arrays["row"], big[3])
+    np.testing.assert_array_equal(back.arrays["mine"], big)
+    np.testing.assert_array_equal(back.arrays["parts"], np.stack([big, big]))

@@ -48,7 +48,7 @@ from ..wire.messages import EnvSpec, make, parse
 from ..wire.protocol import PROTOCOL_VERSION, Frame, Message, WireError
 from ..config import ConfigError
 from ..security import Security
-from ..wire.sockets import DropCounter, bind, make_socket, term_context
+from ..wire.sockets import DropCounter, bind, make_socket, recv_frames, term_context
 from .ratelimit import SampleToInsertRatio
 from . import snapshot
 from .store import LAG_BUCKETS, Store
@@ -566,7 +566,7 @@ def main(
             if events.get(serve):
                 while True:
                     try:
-                        frames = serve.recv_multipart(zmq.NOBLOCK, copy=False)
+                        frames = recv_frames(serve, zmq.NOBLOCK)
                     except zmq.Again:
                         break
                     reply = broker.on_request(frames)
@@ -578,7 +578,7 @@ def main(
             if events.get(ingest):
                 for _ in range(INGEST_BURST):
                     try:
-                        frames = ingest.recv_multipart(zmq.NOBLOCK, copy=False)
+                        frames = recv_frames(ingest, zmq.NOBLOCK)
                     except zmq.Again:
                         break
                     broker.on_ingest(frames)

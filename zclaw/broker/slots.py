@@ -42,6 +42,8 @@ class SlotRing:
         a = np.asarray(a)
         if a.dtype != self.dtype or a.shape != self.item_shape:
             raise ValueError(f"slot array is {a.dtype}{list(a.shape)}, the ring holds {self.dtype}{list(self.item_shape)}")
+        if not a.flags.writeable:  # decoded arrays already are read-only views of their frames
+            return a
         view = a.view()
         view.setflags(write=False)  # a stored segment is never written through the store
         return view

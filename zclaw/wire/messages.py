@@ -10,7 +10,7 @@ from __future__ import annotations
 import hashlib
 import math
 from dataclasses import dataclass, field
-from functools import cached_property
+from functools import cached_property, lru_cache
 from typing import Any, Dict, List, Mapping, Optional, Sequence, Tuple
 
 import msgpack
@@ -209,17 +209,15 @@ def segment_dims(msg: Message, spec: EnvSpec, max_options: int = MAX_OPTIONS) ->
         raise WireError("bad_shape", "action must be [T, N, ...] with T, N >= 1")
     T, N = act.shape[:2]
     M = msg.arrays["final_obs"].shape[0] if msg.arrays["final_obs"].ndim else -1
-    for name, (dtype, shape_of) in SEGMENT_ARRAYS.items():
-        _expect(msg.arrays[name], name, dtype, shape_of(T, N, spec))
-    for name, (dtype, shape_of) in FINAL_ARRAYS.items():
-        _expect(msg.arrays[name], name, dtype, shape_of(M, spec))
+    for name, (dtype, shape) in _segment_layout(T, N, M, spec):
+        _expect(msg.arrays[name], name, dtype, shape)
     fa = msg.arrays["final_at"]
     if M and ((fa[:, 0] < 0).any() or (fa[:, 0] >= T).any() or (fa[:, 1] < 0).any() or (fa[:, 1] >= N).any()):
         raise WireError("bad_shape", "final_at indexes outside the segment")
-    opt = msg.arrays["option"]
-    if opt.size and (opt.min() < 0 or opt.max() >= max_options):
+    # one pass each: a negative int32 read as uint32 is >= 2**31, so a single max catches both ends
+    if msg.arrays["option"].view("<u4").max() >= max_options:
         raise WireError("bad_value", "option index out of range")
-    if (msg.arrays["policy_version"] < 0).any():
+    if msg.arrays["policy_version"].min() < 0:
         raise WireError("bad_value", "negative policy version")
     episodes = msg["episodes"]
     if len(episodes) > T * N:
@@ -233,6 +231,15 @@ def segment_dims(msg: Message, spec: EnvSpec, max_options: int = MAX_OPTIONS) ->
         if not math.isfinite(ep["return"]):
             raise WireError("non_finite", "episode return is not finite")
     return T, N, M
+
+
+@lru_cache(maxsize=64)
+def _segment_layout(T: int, N: int, M: int, spec: EnvSpec) -> Tuple[Tuple[str, Tuple[str, Tuple[int, ...]]], ...]:
+    """(name, (dtype, shape)) of every array of a T x N segment with M truncations (the same for every
+    segment of a run, so worked out once, not per message)."""
+    out = [(name, (dtype, tuple(shape_of(T, N, spec)))) for name, (dtype, shape_of) in SEGMENT_ARRAYS.items()]
+    out += [(name, (dtype, tuple(shape_of(M, spec)))) for name, (dtype, shape_of) in FINAL_ARRAYS.items()]
+    return tuple(out)
 
 
 def _expect(arr: np.ndarray, name: str, dtype: str, shape: Tuple[int, ...]) -> None:

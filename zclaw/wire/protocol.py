@@ -19,6 +19,7 @@ from typing import Any, Dict, List, Mapping, Optional, Sequence, Tuple, Union
 
 import msgpack
 import numpy as np
+import zmq
 
 PROTOCOL_VERSION = 1
 
@@ -48,7 +49,9 @@ class WireError(ValueError):
 
 def _as_buffer(frame: Frame) -> memoryview:
     """A flat byte view of a frame (bytes, memoryview of any shape, or zmq.Frame), without copying."""
-    buf = getattr(frame, "buffer", None)  # zmq.Frame
+    if type(frame) is zmq.Frame:  # the common case, first: a received frame's buffer is flat bytes
+        return frame.buffer
+    buf = getattr(frame, "buffer", None)  # zmq.Frame subclasses
     view = buf if buf is not None else memoryview(frame)
     if view.ndim != 1 or view.format != "B":
         view = view.cast("B")
@@ -72,6 +75,26 @@ def _wire_array(arr: Any) -> np.ndarray:
     return a
 
 
+def _payload(a: np.ndarray) -> Frame:
+    """What to send for a contiguous array: the received ``zmq.Frame`` it views, if it views one whole.
+
+    An array decoded from a received frame (:func:`decode`) is a view of that frame's buffer; sending
+    the frame itself makes ZeroMQ share the message by reference count, where sending the view's
+    buffer with ``copy=False`` would register it with pyzmq's garbage-collector thread (which on the
+    broker's batch replies cost more CPU than the stacking it saved). Anything else goes as its bytes.
+    """
+    if not a.size:
+        return b""
+    base: Any = a
+    while isinstance(base, np.ndarray):
+        base = base.base
+    frame = base.obj if isinstance(base, memoryview) else base
+    # contiguous and as long as the whole frame: then it cannot start anywhere but the frame's start
+    if isinstance(frame, zmq.Frame) and a.flags.c_contiguous and a.nbytes == len(frame):
+        return frame
+    return a.data
+
+
 def encode(
     header: Mapping[str, Any], arrays: Optional[Mapping[str, Union[np.ndarray, Sequence[np.ndarray]]]] = None
 ) -> List[Frame]:
@@ -93,12 +116,12 @@ def encode(
                 raise ValueError(f"array {name!r}: parts must be a non-empty list of one dtype and shape")
             if len(parts) > 1:
                 descr.append([name, wire_dtype(parts[0].dtype), [len(parts)] + list(parts[0].shape), len(parts)])
-                frames.extend(p.data if p.size else b"" for p in parts)
+                frames.extend(_payload(p) for p in parts)
                 continue
             arr = parts[0][None]  # one part is a plain array (a view, still no copy)
         a = _wire_array(arr)
         descr.append([name, wire_dtype(a.dtype), list(a.shape)])
-        frames.append(a.data if a.size else b"")
+        frames.append(_payload(a))
     full = dict(header)
     full["v"] = PROTOCOL_VERSION
     full["arrays"] = descr
@@ -155,6 +178,16 @@ def _decode_header(raw: Frame) -> Dict[str, Any]:
     return header
 
 
+_INT_ONLY = frozenset({int})
+
+
+def _dims_ok(shape: Any) -> bool:
+    """``shape`` is a list of at most MAX_NDIM plain ints in [0, 2**40) (bools are not dimensions).
+    Type-mapped and min/max in C: this runs for every array of every message received."""
+    return (isinstance(shape, list) and len(shape) <= MAX_NDIM
+            and (not shape or (set(map(type, shape)) <= _INT_ONLY and min(shape) >= 0 and max(shape) < 1 << 40)))
+
+
 def _array_list(header: Mapping[str, Any]) -> List[Tuple[str, str, Tuple[int, ...], int]]:
     """The validated ``arrays`` list: (name, dtype, shape, parts) per array (parts 1 unless given)."""
     descr = header.get("arrays")
@@ -164,27 +197,22 @@ def _array_list(header: Mapping[str, Any]) -> List[Tuple[str, str, Tuple[int, ..
     seen = set()
     total_parts = 0
     for entry in descr:
-        if not (isinstance(entry, list) and len(entry) in (3, 4)):
+        if not isinstance(entry, list) or not 3 <= len(entry) <= 4:
             raise WireError("malformed", "array entry is not [name, dtype, shape] or [name, dtype, shape, parts]")
-        name, dtype, shape = entry[:3]
-        parts = entry[3] if len(entry) == 4 else 1
+        name, dtype, shape = entry[0], entry[1], entry[2]
         if not isinstance(name, str) or name in seen:
             raise WireError("malformed", f"array name {name!r} missing or repeated")
         seen.add(name)
         if dtype not in ALLOWED_DTYPES:
             raise WireError("bad_dtype", f"array {name!r} has dtype {dtype!r}")
-        if (
-            not isinstance(shape, list)
-            or len(shape) > MAX_NDIM
-            or not all(isinstance(d, int) and not isinstance(d, bool) and 0 <= d < 1 << 40 for d in shape)
-        ):
+        if not _dims_ok(shape):
             raise WireError("bad_shape", f"array {name!r} has shape {shape!r}")
-        if len(entry) == 4 and not (
-            isinstance(parts, int) and not isinstance(parts, bool) and 2 <= parts <= MAX_PARTS
-            and len(shape) >= 1 and shape[0] == parts
-        ):
-            raise WireError("bad_shape", f"array {name!r}: {parts!r} parts for shape {shape!r} (needs 2..{MAX_PARTS},"
-                                         " equal to the first dimension)")
+        parts = 1
+        if len(entry) == 4:
+            parts = entry[3]
+            if not (type(parts) is int and 2 <= parts <= MAX_PARTS and len(shape) >= 1 and shape[0] == parts):
+                raise WireError("bad_shape", f"array {name!r}: {parts!r} parts for shape {shape!r} (needs "
+                                             f"2..{MAX_PARTS}, equal to the first dimension)")
         total_parts += parts
         if total_parts > MAX_PARTS:
             raise WireError("malformed", f"more than {MAX_PARTS} array frames")
@@ -193,7 +221,7 @@ def _array_list(header: Mapping[str, Any]) -> List[Tuple[str, str, Tuple[int, ..
 
 
 class Message:
-    """A decoded, validated message: ``kind``, the header map and read-only numpy views of its arrays."""
+    """A decoded, validated message: ``kind``, the header map and numpy views of its arrays."""
 
     __slots__ = ("header", "arrays")
 
@@ -219,8 +247,10 @@ class Message:
 def decode(frames: Sequence[Frame], check_finite: bool = True) -> Message:
     """Decode and validate frames into a :class:`Message`; raise :class:`WireError` on anything off.
 
-    Arrays are zero-copy, read-only views of the received frames. With ``check_finite`` every float
-    array is checked for NaN and infinity.
+    Arrays are zero-copy views of the received frames, writable where the frame's buffer is (pyzmq's
+    received frames are: the receiver owns them; the broker's store keeps read-only views, see
+    ``zclaw.broker.slots``). An array sent in parts is one fresh stacked copy. With ``check_finite``
+    every float array is checked for NaN and infinity.
     """
     if len(frames) == 0:
         raise WireError("malformed", "empty message")
@@ -228,7 +258,7 @@ def decode(frames: Sequence[Frame], check_finite: bool = True) -> Message:
         frames = unpack(frames[0])  # packed form: a big-endian length prefix starts with a zero byte
     header = _decode_header(frames[0])
     descr = _array_list(header)
-    n_frames = sum(parts for _, _, _, parts in descr)
+    n_frames = sum(entry[3] for entry in descr)
     if n_frames != len(frames) - 1:
         raise WireError("bad_length", f"header lists {n_frames} array frames, message has {len(frames) - 1}")
     arrays: Dict[str, np.ndarray] = {}
@@ -237,20 +267,23 @@ def decode(frames: Sequence[Frame], check_finite: bool = True) -> Message:
         dt = np.dtype(dtype)
         if parts == 1:
             arrays[name] = _view(frames[pos], name, dt, shape, check_finite)
-        else:  # stacked parts, each checked first: one copy into a fresh array the receiver needs anyway
-            arrays[name] = np.stack([_view(frames[pos + i], name, dt, shape[1:], check_finite) for i in range(parts)])
+        else:  # parts, each checked, copied once into a fresh array (which the receiver needs anyway)
+            out = np.empty(shape, dt)
+            for i in range(parts):
+                out[i] = _view(frames[pos + i], name, dt, shape[1:], check_finite)
+            arrays[name] = out
         pos += parts
     del header["arrays"]
     return Message(header, arrays)
 
 
 def _view(frame: Frame, name: str, dt: np.dtype, shape: Tuple[int, ...], check_finite: bool) -> np.ndarray:
-    """A read-only array view of one frame, after checking its length (and finiteness)."""
+    """An array view of one frame, after checking its length (and finiteness)."""
     buf = _as_buffer(frame)
     expected = math.prod(shape) * dt.itemsize
     if len(buf) != expected:
         raise WireError("bad_length", f"array {name!r}: {len(buf)} bytes, {dt.str}{list(shape)} needs {expected}")
-    arr = np.frombuffer(buf, dtype=dt).reshape(shape) if expected else np.zeros(shape, dt)
-    if check_finite and dt.kind == "f" and arr.size and not np.isfinite(arr).all():
+    arr = np.ndarray(shape, dt, buf) if expected else np.zeros(shape, dt)
+    if check_finite and dt.kind == "f" and expected and not np.isfinite(arr).all():
         raise WireError("non_finite", f"array {name!r} holds NaN or infinity")
     return arr

@@ -256,7 +256,7 @@ class LazyPirate:
                 self.sock = self._connect()
             self.sock.send_multipart(frames, copy=False)
             if self.sock.poll(self.timeout_ms, zmq.POLLIN):
-                reply = self.sock.recv_multipart(copy=False)
+                reply = recv_frames(self.sock)
                 self.failures = 0
                 try:
                     return parse(reply, kinds)
@@ -333,7 +333,7 @@ class CreditPirate(LazyPirate):
                 self._send(frames)
                 self.in_flight.append(frames)
             if self.sock.poll(self.timeout_ms, zmq.POLLIN):
-                reply = self.sock.recv_multipart(copy=False)
+                reply = recv_frames(self.sock)
                 self.in_flight.popleft()
                 self.failures = 0
                 attempt = 0
@@ -352,12 +352,24 @@ class CreditPirate(LazyPirate):
         return None
 
 
+def recv_frames(sock: zmq.Socket, flags: int = 0) -> List[zmq.Frame]:
+    """One multipart message as ``zmq.Frame`` objects (no copy): ``recv_multipart(flags, copy=False)``
+    at half its cost, since each frame says itself whether more follow (pyzmq's version asks the
+    socket for ``RCVMORE`` after every frame). ``flags`` (``zmq.NOBLOCK``) apply to the first frame;
+    ZeroMQ delivers a multipart message whole, so the rest are there already. Raises ``zmq.Again``
+    like ``recv`` when nothing is waiting."""
+    frames = [sock.recv(flags, copy=False)]
+    while frames[-1].more:
+        frames.append(sock.recv(copy=False))
+    return frames
+
+
 def recv_all(sock: zmq.Socket, limit: int = 1 << 30) -> List[List[Any]]:
     """Drain every message waiting on ``sock`` without blocking (at most ``limit``)."""
     out = []
     while len(out) < limit:
         try:
-            out.append(sock.recv_multipart(zmq.NOBLOCK, copy=False))
+            out.append(recv_frames(sock, zmq.NOBLOCK))
         except zmq.Again:
             break
     return out

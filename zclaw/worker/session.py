@@ -22,7 +22,7 @@ from typing import Any, Callable, List, Optional
 
 import zmq
 
-from ..wire import EnvSpec, Message, WireError, make_socket, parse
+from ..wire import EnvSpec, Message, WireError, make_socket, parse, recv_frames
 from ..wire.protocol import PROTOCOL_VERSION, Frame
 
 WAIT_LOG_S = 5.0
@@ -124,7 +124,7 @@ class BrokerSession:
             while not stop() and time.monotonic() < deadline:
                 assert self.sock is not None
                 if self.sock.poll(100, zmq.POLLIN):
-                    reply = self._answer(self.sock.recv_multipart(copy=False))
+                    reply = self._answer(recv_frames(self.sock))
                     self.sent_at = None
                     if reply is not None:
                         self.next_at = time.monotonic() + self.interval_s
@@ -149,7 +149,7 @@ class BrokerSession:
             assert self.sock is not None
             if self.sock.poll(0, zmq.POLLIN):
                 self.sent_at = None
-                self._answer(self.sock.recv_multipart(copy=False))
+                self._answer(recv_frames(self.sock))
             elif now - self.sent_at > self.timeout_s:  # Lazy Pirate: the REQ socket is stuck, replace it
                 self.close()
                 self.missed += 1
