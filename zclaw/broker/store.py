@@ -44,7 +44,7 @@ import numpy as np
 from ..wire.messages import SEGMENT_ARRAYS, EnvSpec, segment_dims
 from ..wire.protocol import PART_MIN_BYTES, Message, WireError
 from .balance import OptionBalancer
-from .slots import SlotRing
+from .slots import SlotRing, stack_parts
 from .sumtree import SumTree
 
 MODES = ("queue", "uniform", "prioritized")
@@ -62,11 +62,6 @@ def lag_buckets(lags: np.ndarray, weight: int = 1) -> Dict[str, int]:
     idx = np.searchsorted(_LAG_EDGES, np.maximum(np.asarray(lags, dtype=np.int64), 0), side="left")
     counts = np.bincount(idx.ravel(), minlength=len(LAG_BUCKETS))
     return {b: int(c) * weight for b, c in zip(LAG_BUCKETS, counts)}
-
-
-def _stack(parts: List[np.ndarray]) -> np.ndarray:
-    """``np.stack(parts)`` for parts of one shape, as one concatenation (half np.stack's per-part cost)."""
-    return np.concatenate(parts).reshape((len(parts),) + parts[0].shape)
 
 
 @dataclass
@@ -93,7 +88,7 @@ class SampledBatch:
     @property
     def arrays(self) -> Dict[str, np.ndarray]:
         """Every field stacked on a leading B axis (copies), as the learner receives the batch."""
-        out: Dict[str, np.ndarray] = {name: _stack(p) for name, p in self.parts.items()}
+        out: Dict[str, np.ndarray] = {name: stack_parts(p) for name, p in self.parts.items()}
         out.update(self.extra)
         return out
 
@@ -105,7 +100,7 @@ class SampledBatch:
         small field gains nothing from parts and pays B frames of per-frame work on both ends; one
         stacked copy moves the same bytes in one frame. Large fields (observations) stay zero-copy.
         """
-        out: Dict[str, Any] = {name: (p if p[0].nbytes >= PART_MIN_BYTES else _stack(p))
+        out: Dict[str, Any] = {name: (p if p[0].nbytes >= PART_MIN_BYTES else stack_parts(p))
                                for name, p in self.parts.items()}
         out.update(self.extra)
         return out
