@@ -110,7 +110,7 @@ def test_sigkill_worker_learner_and_broker_then_restart_and_the_run_goes_on(role
     assert resumed["version"] <= before["version"], "resumed from the last checkpoint, not later"
     # lost: the updates since the last checkpoint (learner.checkpoint_s = 2 s, plus the report's age)
     assert before["version"] - resumed["version"] <= math.ceil(3.5 * (before["updates_per_s"] or 0)) + 3
-    roles.wait(roles.learner, lambda r: r["version"] >= resumed["version"] + 3, timeout=90)
+    roles.wait(roles.learner, lambda r: (r["version"] or 0) >= resumed["version"] + 3, timeout=90)
     # worker1 acted on version >= `resumed` before; it takes the new learner's (lower) versions anyway
     switched = wait_event(tmp_path / "worker1.log", "new learner process; acting on its weights", 30)
     assert switched["version"] >= resumed["version"]

@@ -264,11 +264,12 @@ class Learner:
             extra = state.get("extra") or {}
             self.returns.extend(float(r) for r in extra.get("returns_100", []))
             self.last_checkpoint = state.get("path")
-            self.log.info("resumed", checkpoint=state.get("path"), version=self.version, updates=self.updates,
-                          steps=self.steps_consumed)
         if self.service is not None:
             self.service.spec_hash = spec.hash
         self.publish()
+        if state is not None:  # logged once the restored version is published and in the report
+            self.log.info("resumed", checkpoint=state.get("path"), version=self.version, updates=self.updates,
+                          steps=self.steps_consumed)
 
     # -- publishing -------------------------------------------------------------------------------------
     def publish(self) -> None:
