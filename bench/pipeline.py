@@ -34,6 +34,7 @@ import numpy as np
 import zmq
 
 from zclaw.wire import CreditPirate, EnvSpec, Segment, make, parse, recv_frames
+from zclaw.wire.memory import keep_freed_buffers
 from zclaw.wire.messages import SEGMENT_ARRAYS, batch_dims
 
 SPEC = EnvSpec("gym:Reacher-v5", (10,), (2,), (-1.0, -1.0), (1.0, 1.0))
@@ -59,6 +60,7 @@ def segment_arrays(T: int, N: int) -> dict:
 def produce(endpoint: str, T: int, N: int, hello: bool) -> None:
     """Push segments forever (until SIGTERM)."""
     signal.signal(signal.SIGTERM, lambda *_: os._exit(0))
+    keep_freed_buffers()  # as a worker process does (inherited when forked; explicit for spawn)
     ctx = zmq.Context()
     sock = ctx.socket(zmq.PUSH)
     sock.setsockopt(zmq.SNDHWM, 8)
@@ -148,6 +150,8 @@ def main() -> None:
                     help="comma list of broker.when_full modes to run: evict (drop unsampled segments when the "
                          "store is full) and/or wait (stop reading until the learner samples: flow control)")
     a = ap.parse_args()
+    # this process is the consumer of both runs: the learner's process setting, for the raw run too
+    keep_freed_buffers()
     modes = a.when_full.split(",")
     if not modes or any(m not in ("evict", "wait") for m in modes):
         raise SystemExit(f"--when-full {a.when_full!r}: expected a comma list of evict, wait")

@@ -25,6 +25,17 @@ def _load(
         raise click.UsageError(str(exc)) from None
 
 
+def _start_role(role: str, cfg: Dict[str, Dict[str, Any]]) -> Any:
+    """Process-wide set-up every role shares: structlog, then heap reuse for message buffers."""
+    from .logs import setup
+    from .wire.memory import keep_freed_buffers
+
+    log = setup(role, cfg["log"]["level"], cfg["log"]["format"])
+    if not keep_freed_buffers():
+        log.debug("malloc thresholds not set (not glibc): large message buffers fault their pages in anew")
+    return log
+
+
 def config_options(fn: Any) -> Any:
     fn = click.option("--set", "overrides", multiple=True, metavar="SECTION.KEY=VALUE", help=_SET_HELP)(fn)
     fn = click.option("--config", "config", type=click.Path(dir_okay=False), default=None, help=_CONFIG_HELP)(fn)
@@ -52,10 +63,9 @@ def broker(
 ) -> None:
     """Run the broker: PULL segments from workers into the store, serve batches and status (ROUTER)."""
     cfg = _load(config, overrides, {"security.insecure": insecure})
-    from .logs import setup
     from .broker.server import main as broker_main
 
-    log = setup("broker", cfg["log"]["level"], cfg["log"]["format"])
+    log = _start_role("broker", cfg)
     sys.exit(broker_main(cfg, log, Path(run_dir) if run_dir else None, restore=not fresh))
 
 
@@ -69,10 +79,9 @@ def learner(
 ) -> None:
     """Run the learner: request batches (Lazy Pirate), train, publish versioned weights (PUB + Clone snapshot)."""
     cfg = _load(config, overrides, {"security.insecure": insecure})
-    from .logs import setup
     from .learner.server import main as learner_main
 
-    log = setup("learner", cfg["log"]["level"], cfg["log"]["format"])
+    log = _start_role("learner", cfg)
     sys.exit(learner_main(cfg, log, Path(run_dir), resume))
 
 
@@ -96,10 +105,9 @@ def worker(
     except BackendUnavailable as exc:
         click.echo(f"zclaw worker: {exc}", err=True)
         sys.exit(2)
-    from .logs import setup
     from .worker.worker import main as worker_main
 
-    log = setup("worker", cfg["log"]["level"], cfg["log"]["format"])
+    log = _start_role("worker", cfg)
     sys.exit(worker_main(cfg, log, index))
 
 

@@ -26,6 +26,8 @@ PROTOCOL_VERSION = 1
 #: dtypes allowed on the wire, by their numpy ``.str`` (explicit little-endian or byte-sized).
 ALLOWED_DTYPES = frozenset({"<f4", "<f8", "<f2", "<i1", "<i2", "<i4", "<i8", "|i1", "|u1", "|b1", "<u2", "<u4"})
 
+_DTYPES = {name: np.dtype(name) for name in ALLOWED_DTYPES}
+
 #: the largest header we decode; headers are small maps, arrays travel in their own frames.
 MAX_HEADER_BYTES = 1 << 20
 MAX_ARRAYS = 64
@@ -264,7 +266,7 @@ def decode(frames: Sequence[Frame], check_finite: bool = True) -> Message:
     arrays: Dict[str, np.ndarray] = {}
     pos = 1
     for name, dtype, shape, parts in descr:
-        dt = np.dtype(dtype)
+        dt = _DTYPES[dtype]  # _array_list allowed only these
         if parts == 1:
             arrays[name] = _view(frames[pos], name, dt, shape, check_finite)
         else:  # parts, each checked, copied once into a fresh array (which the receiver needs anyway)
@@ -279,7 +281,8 @@ def decode(frames: Sequence[Frame], check_finite: bool = True) -> Message:
 
 def _view(frame: Frame, name: str, dt: np.dtype, shape: Tuple[int, ...], check_finite: bool) -> np.ndarray:
     """An array view of one frame, after checking its length (and finiteness)."""
-    buf = _as_buffer(frame)
+    # a received zmq.Frame is a flat byte buffer itself: numpy can view it without a memoryview first
+    buf = frame if type(frame) is zmq.Frame else _as_buffer(frame)
     expected = math.prod(shape) * dt.itemsize
     if len(buf) != expected:
         raise WireError("bad_length", f"array {name!r}: {len(buf)} bytes, {dt.str}{list(shape)} needs {expected}")
