@@ -144,6 +144,7 @@ def test_learner_refuses_a_snapshot_for_another_spec_and_counts_bad_requests() -
     assert parse(ask([b"\xc1"])).kind == "error"
     report = parse(ask(make("status")))["report"]
     assert report["request_drops"] == {"refused_bad_spec": 1, "malformed": 1}
+    assert report["requests_served"] == {"snapshot": 2, "status": 1}  # the refused one was understood
     assert report["identity"].startswith("learner-")
     req.close(0)
     stop.set()

@@ -84,11 +84,10 @@ class _Service(threading.Thread):
         self.ready = threading.Event()
         self.error: Optional[str] = None
         self.bound_port: Optional[int] = None
-        self.drops = DropCounter(log, "learner requests")
-        self.refused: Counter = Counter()
+        self.drops = DropCounter(log, "learner requests")  # refused snapshots count as refused_bad_spec
         #: this learner process; in every weights message, so workers tell a restarted learner apart
         self.identity = f"learner-{socket.gethostname()}-{os.getpid()}-{int(time.time())}"
-        self.served = Counter()
+        self.served: Counter = Counter()  # requests answered, by kind (status, snapshot)
 
     def run(self) -> None:
         sock = make_socket(self.ctx, zmq.ROUTER, max_message_bytes=self.max_bytes, curve=self.curve)
@@ -126,6 +125,7 @@ class _Service(threading.Thread):
             report = dict(self.report)
             report["uptime_s"] = round(time.monotonic() - self.started, 3)
             report["request_drops"] = self.drops.as_dict()  # what this ROUTER dropped, by cause
+            report["requests_served"] = dict(self.served)
             report["identity"] = self.identity
             return make("status", report=report, role="learner")
         weights = self.weights
@@ -133,7 +133,6 @@ class _Service(threading.Thread):
             return make("retry", reason="no weights yet", retry_ms=200)
         want = msg.get("spec_hash")
         if want is not None and self.spec_hash is not None and want != self.spec_hash:
-            self.refused["bad_spec"] += 1
             self.drops.drop("refused_bad_spec", f"snapshot for spec {want}")
             return make("refused", cause="bad_spec",
                         reason=f"env spec {want} differs from the learner's {self.spec_hash}")
