@@ -308,4 +308,6 @@ class Snapshotter:
             "last_seconds": self.last_seconds,
             "age_s": round(time.time() - self.last_written_at, 3) if self.last_written_at else None,
             "in_progress": self._job is not None, "mode": self.mode,
+            # the file on disk holds the store as it is now (nothing inserted or sampled since)
+            "current": self._saved_marker is not None and self._saved_marker == self.marker(),
         }
