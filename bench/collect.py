@@ -4,7 +4,7 @@ Two ways of stepping the same 16 ``Reacher-v5`` envs with the same network (``Op
 one torch thread), measured in the same run and alternated so that machine noise hits both alike:
 
 * **worker**: the real ``zclaw worker`` process, against a stand-in broker (a real PULL socket drained and
-  validated by a thread) and a stand-in learner (real PUB + ROUTER answering the snapshot request). Its
+  validated by a thread, and a ROUTER that welcomes the worker's handshake) and a stand-in learner (real PUB + ROUTER answering the snapshot request). Its
   rate is measured from segment arrivals at the PULL socket (steps between the first and the last segment
   of a window over the time between them). Between its windows the process is paused with SIGSTOP.
 * **bare**: ``act -> clip -> env.step`` in this process, with no recording, no segments, no sockets.
@@ -16,6 +16,7 @@ Target: worker / bare >= 0.85. Usage::
 from __future__ import annotations
 
 import argparse
+import os
 import signal
 import statistics
 import subprocess
@@ -27,18 +28,19 @@ from typing import List, Tuple
 import torch
 import zmq
 
-from zclaw import config
+from zclaw import __version__, config
 from zclaw.envs import make_env
 from zclaw.launch import stop_processes
 from zclaw.policy.networks import OptionPolicy
 from zclaw.policy.weights import policy_config, weights_message
-from zclaw.wire import bind, make_socket, parse, segment_dims
+from zclaw.wire import bind, make, make_socket, parse, segment_dims
 
 ENV = "gym:Reacher-v5"
 
 
 class StandIns:
-    """A broker's PULL (drained, validated, arrival times kept) and a learner's PUB + ROUTER, in threads."""
+    """A broker's PULL (drained, validated, arrival times kept) and ROUTER (answers the worker's ``hello``
+    handshake and heartbeats with ``welcome``), and a learner's PUB + ROUTER, in threads."""
 
     def __init__(self, ctx: zmq.Context, spec, weights: bytes) -> None:
         self.spec = spec
@@ -49,11 +51,14 @@ class StandIns:
         self.publish_port = bind(self.pub, "127.0.0.1", 0)
         self.router = make_socket(ctx, zmq.ROUTER)
         self.learner_port = bind(self.router, "127.0.0.1", 0)
+        self.serve = make_socket(ctx, zmq.ROUTER)
+        self.serve_port = bind(self.serve, "127.0.0.1", 0)
         self.arrivals: List[Tuple[float, int]] = []  # (monotonic time, steps) per segment
         self.bad = 0
         self.stop = threading.Event()
         self.threads = [threading.Thread(target=self._drain, daemon=True),
-                        threading.Thread(target=self._learner, daemon=True)]
+                        threading.Thread(target=self._learner, daemon=True),
+                        threading.Thread(target=self._broker_serve, daemon=True)]
         for t in self.threads:
             t.start()
 
@@ -80,11 +85,20 @@ class StandIns:
                 if parse(frames).kind == "snapshot":
                     self.router.send_multipart([ident, empty, self.weights])
 
+    def _broker_serve(self) -> None:
+        welcome = make("welcome", role="broker", identity="bench-broker", host="bench", pid=os.getpid(),
+                       zclaw=__version__, spec=self.spec.to_dict())
+        while not self.stop.is_set():
+            if self.serve.poll(50):
+                ident, empty, *frames = self.serve.recv_multipart()
+                if parse(frames).kind == "hello":
+                    self.serve.send_multipart([ident, empty, *welcome])
+
     def close(self) -> None:
         self.stop.set()
         for t in self.threads:
             t.join(2)
-        for s in (self.pull, self.pub, self.router):
+        for s in (self.pull, self.pub, self.router, self.serve):
             s.close(0)
 
 
@@ -147,7 +161,7 @@ def main() -> int:
         "--set", f"worker.segment_length={args.segment_length}", "--set", "worker.threads=1",
         "--set", f"policy.options={args.options}", "--set", "log.status_s=3600", "--set", "log.level=warning",
         "--set", f"network.ingest_port={stand.ingest}", "--set", f"network.publish_port={stand.publish_port}",
-        "--set", f"network.learner_port={stand.learner_port}",
+        "--set", f"network.learner_port={stand.learner_port}", "--set", f"network.serve_port={stand.serve_port}",
     ]
     proc = subprocess.Popen(cmd)
     worker_rates: List[float] = []

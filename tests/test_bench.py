@@ -1,0 +1,36 @@
+"""The bench scripts still run end to end on tiny settings and print their figure lines.
+
+No figure is asserted (they are timings on a shared machine; see docs/benchmarks.md): this catches a bench
+that rotted when a role changed (bench/collect.py once stopped at "the worker did not start sending
+segments" after the worker learned the broker handshake, and nothing noticed).
+"""
+from __future__ import annotations
+
+import re
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+BENCH = Path(__file__).resolve().parents[1] / "bench"
+FLOAT = r"[0-9]+\.[0-9]+"
+
+CASES = {
+    "pipeline": (["--rounds", "1", "--seconds", "1", "--when-full", "wait", "--envs", "8", "--T", "16",
+                  "--batch", "4"], rf"ratio pipeline / raw, broker\.when_full = wait: median {FLOAT}"),
+    "collect": (["--rounds", "1", "--window", "0.5", "--envs", "2", "--segment-length", "16"],
+                rf"ratio worker / bare \(per round\) +{FLOAT}"),
+    "snapshot": (["--seconds", "2", "--capacity", "64", "--interval", "0.5"],
+                 rf"ratio during / between snapshots, thread: {FLOAT}"),
+    "curve": (["--seconds", "1"], rf"ratio CURVE / plain: {FLOAT}"),
+}
+
+
+@pytest.mark.parametrize("name", sorted(CASES))
+def test_bench_script_runs_and_prints_its_figure(name: str) -> None:
+    args, figure = CASES[name]
+    out = subprocess.run([sys.executable, str(BENCH / f"{name}.py"), *args], capture_output=True, text=True,
+                         timeout=180)
+    assert out.returncode == 0, out.stdout[-2000:] + out.stderr[-4000:]
+    assert re.search(figure, out.stdout), out.stdout[-2000:]
