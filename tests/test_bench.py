@@ -24,6 +24,9 @@ CASES = {
     "snapshot": (["--seconds", "2", "--capacity", "64", "--interval", "0.5"],
                  rf"ratio during / between snapshots, thread: {FLOAT}"),
     "curve": (["--seconds", "1"], rf"ratio CURVE / plain: {FLOAT}"),
+    # zclaw only (SB3 and Sample Factory are not in the test install): one short run and its table row
+    "learning": (["--tasks", "reacher", "--variants", "k1", "--seeds", "1", "--cap", "10"],
+                 r"\| reacher \| return >= -5\.0 \| zclaw K=1 \| "),
 }
 
 
