@@ -16,7 +16,6 @@ Other C libraries (musl, macOS) have no ``mallopt``: there this does nothing and
 from __future__ import annotations
 
 import ctypes
-import ctypes.util
 from typing import Optional
 
 #: glibc ``mallopt`` parameters (malloc.h)
@@ -41,8 +40,7 @@ def keep_freed_buffers() -> bool:
         return _applied
     _applied = False
     try:
-        libc = ctypes.CDLL(ctypes.util.find_library("c") or None)
-        mallopt = libc.mallopt
+        mallopt = ctypes.CDLL(None).mallopt  # the symbols already loaded: the C library's among them
     except (OSError, AttributeError):  # not glibc: nothing to tune
         return False
     mallopt.argtypes = (ctypes.c_int, ctypes.c_int)
