@@ -74,9 +74,11 @@ class SlotRing:
             return np.zeros((0,) + self.item_shape, self.dtype)
         return stack_parts(parts)
 
-    def parts(self, slots: Sequence[int]) -> List[np.ndarray]:
+    def parts(self, slots: Union[Sequence[int], np.ndarray]) -> List[np.ndarray]:
         """The arrays held by ``slots``, in order, by reference (what a batch reply sends)."""
-        return [self[int(s)] for s in slots]
+        items, zeros = self._items, self._zeros  # every field of every batch comes through here: no per-slot calls
+        index = slots.tolist() if isinstance(slots, np.ndarray) else slots
+        return [zeros if items[s] is None else items[s] for s in index]
 
     def clear(self, slot: int) -> None:
         """Let go of a slot's buffer (the frame is freed once nothing else refers to it)."""

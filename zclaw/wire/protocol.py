@@ -60,11 +60,18 @@ def _as_buffer(frame: Frame) -> memoryview:
     return view
 
 
+_WIRE_NAMES: Dict[np.dtype, str] = {}  # dtype -> allowed wire name, filled as dtypes are first sent
+
+
 def wire_dtype(dtype: np.dtype) -> str:
     """The allowlisted wire name of a numpy dtype, normalised to little-endian."""
-    name = np.dtype(dtype).newbyteorder("<").str if np.dtype(dtype).itemsize > 1 else np.dtype(dtype).str
-    if name not in ALLOWED_DTYPES:
-        raise WireError("bad_dtype", f"dtype {np.dtype(dtype)} is not allowed on the wire")
+    dt = np.dtype(dtype)
+    name = _WIRE_NAMES.get(dt)
+    if name is None:  # every array of every message sent asks: work the answer out once per dtype
+        name = dt.newbyteorder("<").str if dt.itemsize > 1 else dt.str
+        if name not in ALLOWED_DTYPES:
+            raise WireError("bad_dtype", f"dtype {dt} is not allowed on the wire")
+        _WIRE_NAMES[dt] = name
     return name
 
 
