@@ -56,6 +56,8 @@ from .store import LAG_BUCKETS, Store
 POLL_MS = 100
 #: ingest messages handled between two looks at the serve socket
 INGEST_BURST = 64
+#: pyzmq's ``copy_threshold`` (a C int) on the serve socket: copy every buffer that is not a received frame
+REPLY_COPY_THRESHOLD = 2**31 - 1
 #: slack on top of twice the configured cap for the socket-level MAXMSGSIZE backstop
 SOCKET_CAP_SLACK = 64 << 10
 #: distinct worker identities tracked (identities come off the wire: bound the table)
@@ -534,6 +536,11 @@ def main(
     ctx = zmq.Context()
     ingest = make_socket(ctx, zmq.PULL, max_message_bytes=socket_cap, curve=sec.server())
     serve = make_socket(ctx, zmq.ROUTER, max_message_bytes=socket_cap, curve=sec.server())
+    # Batch replies: received frames forwarded as parts are shared by reference count whatever this says;
+    # every other buffer (the stacked small fields) is copied into ZeroMQ instead of lent zero-copy, which
+    # would hand each one to pyzmq's garbage-collector thread. Measured on 2 cores, default segments (64 x
+    # 16, 4-segment batches): broker CPU 202-238 against 232-297 us per segment, 4 runs each, alternated.
+    serve.copy_threshold = REPLY_COPY_THRESHOLD
     try:
         try:
             ingest_port = bind(ingest, host, net["ingest_port"])
