@@ -56,8 +56,6 @@ from .store import LAG_BUCKETS, Store
 POLL_MS = 100
 #: ingest messages handled between two looks at the serve socket
 INGEST_BURST = 64
-#: pyzmq's ``copy_threshold`` (a C int) on the serve socket: copy every buffer that is not a received frame
-REPLY_COPY_THRESHOLD = 2**31 - 1
 #: slack on top of twice the configured cap for the socket-level MAXMSGSIZE backstop
 SOCKET_CAP_SLACK = 64 << 10
 #: distinct worker identities tracked (identities come off the wire: bound the table)
@@ -536,11 +534,6 @@ def main(
     ctx = zmq.Context()
     ingest = make_socket(ctx, zmq.PULL, max_message_bytes=socket_cap, curve=sec.server())
     serve = make_socket(ctx, zmq.ROUTER, max_message_bytes=socket_cap, curve=sec.server())
-    # Batch replies: received frames forwarded as parts are shared by reference count whatever this says;
-    # every other buffer (the stacked small fields) is copied into ZeroMQ instead of lent zero-copy, which
-    # would hand each one to pyzmq's garbage-collector thread. Measured on 2 cores, default segments (64 x
-    # 16, 4-segment batches): broker CPU 202-238 against 232-297 us per segment, 4 runs each, alternated.
-    serve.copy_threshold = REPLY_COPY_THRESHOLD
     try:
         try:
             ingest_port = bind(ingest, host, net["ingest_port"])
@@ -579,7 +572,13 @@ def main(
                     reply = broker.on_request(frames)
                     if reply is not None:
                         try:
-                            serve.send_multipart(reply, copy=False)
+                            # copy=True: received frames forwarded as parts still go by reference count
+                            # (pyzmq sends a zmq.Frame as itself); every other buffer, the stacked small
+                            # fields, is copied into ZeroMQ rather than lent zero-copy, which would hand
+                            # each one to pyzmq's garbage-collector thread. On 2 cores at the default
+                            # segment size that thread cost more than the copy: broker CPU 202-238 against
+                            # 232-297 us per segment (4 alternated runs each).
+                            serve.send_multipart(reply, copy=True)
                         except zmq.ZMQError as exc:  # the peer vanished or its queue is full: its problem
                             broker.drops.drop("reply_failed", str(exc))
             if events.get(ingest):
