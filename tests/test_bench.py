@@ -21,7 +21,8 @@ CASES = {
                   "--batch", "4"], rf"ratio pipeline / raw, broker\.when_full = wait: median {FLOAT}"),
     "collect": (["--rounds", "1", "--window", "0.5", "--envs", "2", "--segment-length", "16"],
                 rf"ratio worker / bare \(per round\) +{FLOAT}"),
-    "snapshot": (["--seconds", "2", "--capacity", "64", "--interval", "0.5"],
+    # a store big enough that each snapshot spans several of the bench's 50 ms samples
+    "snapshot": (["--seconds", "3", "--capacity", "384", "--interval", "0.5"],
                  rf"ratio during / between snapshots, thread: {FLOAT}"),
     "curve": (["--seconds", "1"], rf"ratio CURVE / plain: {FLOAT}"),
     # zclaw only (SB3 and Sample Factory are not in the test install): one short run and its table row
