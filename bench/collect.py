@@ -4,9 +4,10 @@ Two ways of stepping the same 16 ``Reacher-v5`` envs with the same network (``Op
 one torch thread), measured in the same run and alternated so that machine noise hits both alike:
 
 * **worker**: the real ``zclaw worker`` process, against a stand-in broker (a real PULL socket drained and
-  validated by a thread, and a ROUTER that welcomes the worker's handshake) and a stand-in learner (real PUB + ROUTER answering the snapshot request). Its
-  rate is measured from segment arrivals at the PULL socket (steps between the first and the last segment
-  of a window over the time between them). Between its windows the process is paused with SIGSTOP.
+  validated by a thread, and a ROUTER that welcomes the worker's handshake) and a stand-in learner (real
+  PUB + ROUTER answering the snapshot request). Its rate is measured from segment arrivals at the PULL
+  socket (steps between the first and the last segment of a window over the time between them). Between
+  its windows the process is paused with SIGSTOP.
 * **bare**: ``act -> clip -> env.step`` in this process, with no recording, no segments, no sockets.
 
 Target: worker / bare >= 0.85. Usage::

@@ -14,6 +14,7 @@ during a snapshot / the rate between snapshots >= 0.5.
 from __future__ import annotations
 
 import argparse
+import math
 import multiprocessing as mp
 import signal
 import subprocess
@@ -112,12 +113,12 @@ def main() -> None:
               f"{r['rate']:>10,.0f}  ({r['snapshots']} snapshots, last {r['write_s']:.2f} s, "
               f"in progress {100 * r['busy']:.0f}% of the time)")
     for mode, r in runs.items():
-        if r["rate_during"] == r["rate_during"] and r["rate_between"] > 0:  # not NaN: some interval fell inside
-            print(f"ratio during / between snapshots, {mode}: {r['rate_during'] / r['rate_between']:.3f}  "
-                  f"(target >= 0.5)")
-        else:
+        if math.isnan(r["rate_during"]) or not r["rate_between"] > 0:
             print(f"ratio during / between snapshots, {mode}: n/a (no 50 ms interval fell wholly inside or "
                   f"outside a snapshot; give a larger --capacity or more --seconds)")
+        else:
+            print(f"ratio during / between snapshots, {mode}: {r['rate_during'] / r['rate_between']:.3f}  "
+                  f"(target >= 0.5)")
 
 
 if __name__ == "__main__":

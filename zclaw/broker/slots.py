@@ -76,7 +76,8 @@ class SlotRing:
 
     def parts(self, slots: Union[Sequence[int], np.ndarray]) -> List[np.ndarray]:
         """The arrays held by ``slots``, in order, by reference (what a batch reply sends)."""
-        items, zeros = self._items, self._zeros  # every field of every batch comes through here: no per-slot calls
+        # every field of every batch comes through here: index the list, no call per slot
+        items, zeros = self._items, self._zeros
         index = slots.tolist() if isinstance(slots, np.ndarray) else slots
         return [zeros if items[s] is None else items[s] for s in index]
 
