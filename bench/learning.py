@@ -69,7 +69,7 @@ def first_crossing(points: List[Tuple[float, Optional[float]]], threshold: float
 
 # -- zclaw ----------------------------------------------------------------------------------------
 
-def run_zclaw(task: str, K: int, seed: int, cap: float, out: Path) -> Dict[str, Any]:
+def run_zclaw(task: str, K: int, seed: int, cap: float, out: Path, eval_episodes: int = 20) -> Dict[str, Any]:
     spec = TASKS[task]
     run_dir = out / f"zclaw-{task}-k{K}-s{seed}"
     cmd = [sys.executable, "-m", "zclaw.cli", "train", "--config", str(ROOT / spec["config"]), "--time", str(cap),
@@ -98,11 +98,11 @@ def run_zclaw(task: str, K: int, seed: int, cap: float, out: Path) -> Dict[str, 
         res["options"] = rep.get("options")
         if res["final"] is None:
             res["final"] = rep.get(key)
-    res["eval"] = zclaw_eval(run_dir)
+    res["eval"] = zclaw_eval(run_dir, eval_episodes)
     return res
 
 
-def zclaw_eval(run_dir: Path, episodes: int = 20) -> Optional[Dict[str, Any]]:
+def zclaw_eval(run_dir: Path, episodes: int) -> Optional[Dict[str, Any]]:
     """``zclaw eval RUN --json``: teacher and student returns (None if the command fails)."""
     try:
         p = subprocess.run([sys.executable, "-m", "zclaw.cli", "eval", str(run_dir), "-n", str(episodes), "--json"],
@@ -138,7 +138,8 @@ class Log(BaseCallback):
             if buf:
                 r = float(sum(e["r"] for e in buf) / len(buf))
                 s = [float(e["is_success"]) for e in buf if "is_success" in e]
-                print(json.dumps({"t": now - t0, "return": r, "success": (sum(s) / len(s)) if s else None}), flush=True)
+                print(json.dumps({"t": now - t0, "steps": self.num_timesteps, "return": r,
+                                  "success": (sum(s) / len(s)) if s else None}), flush=True)
         return now - t0 < cap
 PPO("MlpPolicy", venv, seed=seed, verbose=0, device="cpu").learn(10**9, callback=Log())
 """
@@ -299,12 +300,18 @@ def table(results: Dict[str, Dict[str, List[Dict[str, Any]]]], caps: Dict[str, f
             for r in by_variant.get(variant, []):
                 o = r.get("options") or {}
                 if variant == "zclaw K=4" and o:
-                    lines.append(f"- {task} {variant}: option usage {[round(u, 3) for u in o.get('usage', [])]}, "
-                                 f"mean duration {o.get('duration_mean') and round(o['duration_mean'], 2)} steps")
+                    usage = [round(u, 3) for u in o.get("usage", [])]
+                    lines.append(f"- {task} {variant}: option usage {usage}, mean duration "
+                                 f"{_round(o.get('duration_mean'), 2)} steps, distance of the option means "
+                                 f"min {_round(o.get('distance_min'), 3)} mean {_round(o.get('distance_mean'), 3)}")
                 ev = r.get("eval")
                 if ev:
                     lines.append(f"- {task} {variant}: eval {json.dumps(summarise_eval(ev))}")
     return "\n".join(lines)
+
+
+def _round(v: Optional[float], digits: int) -> Optional[float]:
+    return None if v is None else round(float(v), digits)
 
 
 def summarise_eval(ev: Dict[str, Any]) -> Dict[str, Any]:
@@ -328,6 +335,8 @@ def main() -> None:
                     help="python of the venv with Sample Factory, for the sf variant (default: %(default)s)")
     ap.add_argument("--out", default=None, help="directory for run dirs and logs (default: a temp dir)")
     ap.add_argument("--md", default=None, help="also write the markdown table to this file")
+    ap.add_argument("--eval-episodes", type=int, default=20,
+                    help="episodes of each zclaw eval, teacher and student (default: %(default)s)")
     args = ap.parse_args()
     out = Path(args.out or tempfile.mkdtemp(prefix="zclaw-bench-"))
     out.mkdir(parents=True, exist_ok=True)
@@ -358,7 +367,7 @@ def main() -> None:
                 elif variant == "sf":
                     r = run_sf(task, seed, cap, out, args.sf_python)
                 else:
-                    r = run_zclaw(task, 1 if variant == "k1" else 4, seed, cap, out)
+                    r = run_zclaw(task, 1 if variant == "k1" else 4, seed, cap, out, args.eval_episodes)
                 print(f"[bench]   time to threshold {r['time']}, final {r['final']}", flush=True)
                 runs.append(r)
             results[task][name] = runs
