@@ -162,7 +162,8 @@ def main() -> int:
         "--set", f"worker.segment_length={args.segment_length}", "--set", "worker.threads=1",
         "--set", f"policy.options={args.options}", "--set", "log.status_s=3600", "--set", "log.level=warning",
         "--set", f"network.ingest_port={stand.ingest}", "--set", f"network.publish_port={stand.publish_port}",
-        "--set", f"network.learner_port={stand.learner_port}", "--set", f"network.serve_port={stand.serve_port}",
+        "--set", f"network.learner_port={stand.learner_port}",
+        "--set", f"network.serve_port={stand.serve_port}",
     ]
     proc = subprocess.Popen(cmd)
     worker_rates: List[float] = []
@@ -179,8 +180,8 @@ def main() -> int:
         for r in range(args.rounds):
             worker_rates.append(worker_rate(stand, proc, args.window))
             bare_rates.append(bare_rate(env, model, args.window))
-            print(f"round {r + 1}: worker {worker_rates[-1]:9.0f} steps/s   bare {bare_rates[-1]:9.0f} steps/s   "
-                  f"ratio {worker_rates[-1] / bare_rates[-1]:.3f}", flush=True)
+            print(f"round {r + 1}: worker {worker_rates[-1]:9.0f} steps/s   bare {bare_rates[-1]:9.0f} "
+                  f"steps/s   ratio {worker_rates[-1] / bare_rates[-1]:.3f}", flush=True)
     finally:
         if proc.poll() is None:
             proc.send_signal(signal.SIGCONT)  # it may be paused between rounds
@@ -196,7 +197,8 @@ def main() -> int:
     print(f"{'loop':<34}{'env steps/s':>14}")
     print(f"{'bare (act + step, no sockets)':<34}{b:>14.0f}")
     print(f"{'zclaw worker (process, PUSH/SUB)':<34}{w:>14.0f}")
-    print(f"{'ratio worker / bare (per round)':<34}{ratio:>14.3f}   (target >= 0.85: {'ok' if ratio >= 0.85 else 'MISSED'})")
+    print(f"{'ratio worker / bare (per round)':<34}{ratio:>14.3f}   (target >= 0.85: "
+          f"{'ok' if ratio >= 0.85 else 'MISSED'})")
     print(f"invalid segments: {stand.bad}, worker exit code: {proc.returncode}")
     return 0
 

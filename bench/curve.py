@@ -64,7 +64,8 @@ def run(size: int, seconds: float, keys: Optional[Path]) -> Tuple[float, float]:
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--seconds", type=float, default=4.0)
-    ap.add_argument("--kb", type=int, default=133, help="message size in KiB (133: a 64 x 16 Reacher segment)")
+    ap.add_argument("--kb", type=int, default=133,
+                    help="message size in KiB (133: a 64 x 16 Reacher segment)")
     args = ap.parse_args()
     size = args.kb << 10
     with tempfile.TemporaryDirectory() as tmp:

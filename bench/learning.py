@@ -56,7 +56,8 @@ TASKS: Dict[str, Dict[str, Any]] = {
 SF_NAME = "sample factory appo"
 NAMES: Dict[str, str] = {"k1": "zclaw K=1", "k4": "zclaw K=4", "sb3": "sb3 ppo", "sf": SF_NAME}
 
-FREE_PORTS = ["network.ingest_port=0", "network.serve_port=0", "network.publish_port=0", "network.learner_port=0"]
+FREE_PORTS = ["network.ingest_port=0", "network.serve_port=0", "network.publish_port=0",
+              "network.learner_port=0"]
 
 
 def first_crossing(points: List[Tuple[float, Optional[float]]], threshold: float) -> Optional[float]:
@@ -72,8 +73,8 @@ def first_crossing(points: List[Tuple[float, Optional[float]]], threshold: float
 def run_zclaw(task: str, K: int, seed: int, cap: float, out: Path, eval_episodes: int = 20) -> Dict[str, Any]:
     spec = TASKS[task]
     run_dir = out / f"zclaw-{task}-k{K}-s{seed}"
-    cmd = [sys.executable, "-m", "zclaw.cli", "train", "--config", str(ROOT / spec["config"]), "--time", str(cap),
-           "--run-dir", str(run_dir), "--set", f"policy.options={K}", "--set", f"run.seed={seed}",
+    cmd = [sys.executable, "-m", "zclaw.cli", "train", "--config", str(ROOT / spec["config"]), "--time",
+           str(cap), "--run-dir", str(run_dir), "--set", f"policy.options={K}", "--set", f"run.seed={seed}",
            "--set", "log.metrics_s=2.0"]
     for p in FREE_PORTS:
         cmd += ["--set", p]
@@ -91,7 +92,8 @@ def run_zclaw(task: str, K: int, seed: int, cap: float, out: Path, eval_episodes
                 continue
             points.append((float(d["time"]) - t0, d.get(key)))
     final = next((v for _, v in reversed(points) if v is not None), None)
-    res: Dict[str, Any] = {"time": first_crossing(points, spec["threshold"]), "final": final, "run_dir": str(run_dir)}
+    res: Dict[str, Any] = {"time": first_crossing(points, spec["threshold"]), "final": final,
+                           "run_dir": str(run_dir)}
     fpath = run_dir / "learner_final.json"
     if fpath.is_file():
         rep = json.loads(fpath.read_text())
@@ -105,7 +107,8 @@ def run_zclaw(task: str, K: int, seed: int, cap: float, out: Path, eval_episodes
 def zclaw_eval(run_dir: Path, episodes: int) -> Optional[Dict[str, Any]]:
     """``zclaw eval RUN --json``: teacher and student returns (None if the command fails)."""
     try:
-        p = subprocess.run([sys.executable, "-m", "zclaw.cli", "eval", str(run_dir), "-n", str(episodes), "--json"],
+        p = subprocess.run([sys.executable, "-m", "zclaw.cli", "eval", str(run_dir),
+                            "-n", str(episodes), "--json"],
                            cwd=str(ROOT), capture_output=True, text=True, timeout=600)
         return json.loads(p.stdout) if p.returncode == 0 else None
     except (subprocess.TimeoutExpired, ValueError):
@@ -173,13 +176,15 @@ def sf_missing(sf_python: str) -> Optional[str]:
     if not Path(sf_python).is_file():
         return f"{sf_python} does not exist (see bench/sf_reacher.py for the venv recipe)"
     try:
-        p = subprocess.run([sf_python, "-c", "import sample_factory, sf_examples.mujoco.mujoco_params, mujoco"],
+        p = subprocess.run([sf_python, "-c",
+                            "import sample_factory, sf_examples.mujoco.mujoco_params, mujoco"],
                            capture_output=True, text=True, timeout=300)
     except (OSError, subprocess.TimeoutExpired) as e:
         return f"{sf_python} failed to start: {e}"
     if p.returncode != 0:
         lines = (p.stderr or p.stdout).strip().splitlines()
-        return f"{sf_python} cannot import Sample Factory: {lines[-1] if lines else 'exit ' + str(p.returncode)}"
+        return (f"{sf_python} cannot import Sample Factory: "
+                f"{lines[-1] if lines else 'exit ' + str(p.returncode)}")
     return None
 
 
@@ -206,11 +211,13 @@ def run_sf(task: str, seed: int, cap: float, out: Path, sf_python: str) -> Dict[
     log_path = out / f"sf-{task}-s{seed}.log"
     workers = min(8, os.cpu_count() or 1)
     t0 = time.time()
-    cmd = [sf_python, str(ROOT / "bench" / "sf_reacher.py"), "--seed", str(seed), "--cap", str(cap), "--t0", repr(t0),
-           "--train-dir", str(out / f"sf-{task}-s{seed}"), "--workers", str(workers), "--envs-per-worker", "8"]
+    cmd = [sf_python, str(ROOT / "bench" / "sf_reacher.py"), "--seed", str(seed), "--cap", str(cap),
+           "--t0", repr(t0), "--train-dir", str(out / f"sf-{task}-s{seed}"), "--workers", str(workers),
+           "--envs-per-worker", "8"]
     with open(log_path, "w") as log:
-        p = subprocess.Popen(cmd, cwd=str(ROOT), stdin=subprocess.DEVNULL, stdout=log, stderr=subprocess.STDOUT,
-                             env=dict(os.environ, OMP_NUM_THREADS="1"), start_new_session=True)
+        p = subprocess.Popen(cmd, cwd=str(ROOT), stdin=subprocess.DEVNULL, stdout=log,
+                             stderr=subprocess.STDOUT, env=dict(os.environ, OMP_NUM_THREADS="1"),
+                             start_new_session=True)
         killed = False
         try:
             p.wait(timeout=max(0.0, t0 + cap - time.time()))
@@ -256,7 +263,8 @@ def parse_caps(text: str, tasks: List[str]) -> Dict[str, float]:
             return {t: float(text) for t in tasks}
         caps = {k.strip(): float(v) for k, v in (item.split("=", 1) for item in text.split(","))}
     except ValueError:
-        raise SystemExit(f"--cap {text!r}: expected seconds (600) or task=seconds pairs (reacher=180,pusher=240)")
+        raise SystemExit(f"--cap {text!r}: expected seconds (600) or task=seconds pairs "
+                         "(reacher=180,pusher=240)")
     missing = [t for t in tasks if t not in caps]
     if missing:
         raise SystemExit(f"--cap {text!r} names no cap for {', '.join(missing)}")
@@ -264,10 +272,11 @@ def parse_caps(text: str, tasks: List[str]) -> Dict[str, float]:
 
 
 def table(results: Dict[str, Dict[str, List[Dict[str, Any]]]], caps: Dict[str, float], seeds: int) -> str:
-    lines = [f"Machine: {platform.node()} ({platform.processor() or platform.machine()}, {os.cpu_count()} CPUs), "
-             f"{seeds} seed(s), one run at a time; cap per run: "
+    lines = [f"Machine: {platform.node()} ({platform.processor() or platform.machine()}, {os.cpu_count()} "
+             f"CPUs), {seeds} seed(s), one run at a time; cap per run: "
              + ", ".join(f"{t} {c:.0f} s" for t, c in caps.items() if t in results) + ".", "",
-             "| task | threshold | variant | time to threshold, median (range) | vs SB3 median | final (median) |",
+             "| task | threshold | variant | time to threshold, median (range) "
+             "| vs SB3 median | final (median) |",
              "|---|---|---|---|---|---|"]
     for task, by_variant in results.items():
         spec, cap = TASKS[task], caps[task]
@@ -292,10 +301,12 @@ def table(results: Dict[str, Dict[str, List[Dict[str, Any]]]], caps: Dict[str, f
             f1 = [r["final"] for r in k1 if r.get("final") is not None]
             f4 = [r["final"] for r in k4 if r.get("final") is not None]
             if f1 and f4:
-                lines.append(f"- {task}: final K=4 {statistics.median(f4):.3f} vs K=1 {statistics.median(f1):.3f}")
+                lines.append(f"- {task}: final K=4 {statistics.median(f4):.3f} vs K=1 "
+                             f"{statistics.median(f1):.3f}")
         envs = sorted({str(r.get("env")) for r in by_variant.get(SF_NAME, [])})
         if envs:
-            lines.append(f"- {task} {SF_NAME}: env {', '.join(envs)} (the other variants: {TASKS[task]['env']})")
+            lines.append(f"- {task} {SF_NAME}: env {', '.join(envs)} (the other variants: "
+                         f"{TASKS[task]['env']})")
         for variant in ("zclaw K=1", "zclaw K=4"):
             for r in by_variant.get(variant, []):
                 o = r.get("options") or {}
@@ -303,7 +314,8 @@ def table(results: Dict[str, Dict[str, List[Dict[str, Any]]]], caps: Dict[str, f
                     usage = [round(u, 3) for u in o.get("usage", [])]
                     lines.append(f"- {task} {variant}: option usage {usage}, mean duration "
                                  f"{_round(o.get('duration_mean'), 2)} steps, distance of the option means "
-                                 f"min {_round(o.get('distance_min'), 3)} mean {_round(o.get('distance_mean'), 3)}")
+                                 f"min {_round(o.get('distance_min'), 3)} mean "
+                                 f"{_round(o.get('distance_mean'), 3)}")
                 ev = r.get("eval")
                 if ev:
                     lines.append(f"- {task} {variant}: eval {json.dumps(summarise_eval(ev))}")
@@ -330,7 +342,8 @@ def main() -> None:
     ap.add_argument("--seeds", type=int, default=3)
     ap.add_argument("--cap", default="600", help="seconds per run: one number, or task=seconds pairs")
     ap.add_argument("--variants", default="k1,k4,sb3,sf",
-                    help="comma list of k1, k4, sb3, sf (Sample Factory APPO, Reacher only; needs --sf-python)")
+                    help="comma list of k1, k4, sb3, sf (Sample Factory APPO, Reacher "
+                         "only; needs --sf-python)")
     ap.add_argument("--sf-python", default=SF_PYTHON,
                     help="python of the venv with Sample Factory, for the sf variant (default: %(default)s)")
     ap.add_argument("--out", default=None, help="directory for run dirs and logs (default: a temp dir)")

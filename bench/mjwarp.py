@@ -1,4 +1,5 @@
-"""Benchmark the ``mjwarp:`` backend on one GPU: env alone, acting loop, and end-to-end training. (Not a test.)
+"""Benchmark the ``mjwarp:`` backend on one GPU: env alone, acting loop, and end-to-end
+training. (Not a test.)
 
 Three rates, measured in the same run with the same number of worlds (default 4096):
 
@@ -93,7 +94,8 @@ def e2e_rates(envs: int, gpu: int, window: float, T: int, tmp: Path) -> Dict[str
 
     def start(role: str, *extra: str) -> None:
         log = open(tmp / f"{role}.log", "wb")
-        procs.append(subprocess.Popen(base + [role] + common + list(extra), stdout=log, stderr=subprocess.STDOUT))
+        procs.append(subprocess.Popen(base + [role] + common + list(extra), stdout=log,
+                                      stderr=subprocess.STDOUT))
 
     def wait(client: StatusClient, pred: Any, timeout: float) -> Dict[str, Any]:
         reached, rep = client.wait_until(pred, timeout, interval=0.5)

@@ -66,8 +66,8 @@ def produce(endpoint: str, T: int, N: int, hello: bool) -> None:
     sock.setsockopt(zmq.SNDHWM, 8)
     sock.connect(endpoint)
     if hello:
-        sock.send_multipart(make("hello", role="worker", identity="bench", host="h", pid=os.getpid(), zclaw="0",
-                                 spec=SPEC.to_dict()))
+        sock.send_multipart(make("hello", role="worker", identity="bench", host="h", pid=os.getpid(),
+                                 zclaw="0", spec=SPEC.to_dict()))
     arrays = segment_arrays(T, N)
     seq = 0
     while True:
@@ -87,17 +87,20 @@ def run_raw(seconds: float, T: int, N: int) -> float:
         parse(recv_frames(pull))
         n += T * N
     rate = n / (time.perf_counter() - t0)
-    p.terminate(); p.join()
-    pull.close(0); ctx.term()
+    p.terminate()
+    p.join()
+    pull.close(0)
+    ctx.term()
     return rate
 
 
-def run_pipeline(seconds: float, T: int, N: int, batch: int, prefetch: int, when_full: str) -> Tuple[float, dict]:
+def run_pipeline(seconds: float, T: int, N: int, batch: int, prefetch: int,
+                 when_full: str) -> Tuple[float, dict]:
     ingest, serve = free_port(), free_port()
     broker = subprocess.Popen(
         [sys.executable, "-m", "zclaw.cli", "broker", "--set", f"network.ingest_port={ingest}",
-         "--set", f"network.serve_port={serve}", "--set", "broker.capacity=64", "--set", f"broker.when_full={when_full}",
-         "--set", "log.level=warning"],
+         "--set", f"network.serve_port={serve}", "--set", "broker.capacity=64",
+         "--set", f"broker.when_full={when_full}", "--set", "log.level=warning"],
         stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
     p = mp.Process(target=produce, args=(f"tcp://127.0.0.1:{ingest}", T, N, True), daemon=True)
     p.start()
@@ -123,9 +126,12 @@ def run_pipeline(seconds: float, T: int, N: int, batch: int, prefetch: int, when
             raise SystemExit("no batches from the broker")
     rate = n / (time.perf_counter() - t0)
     report = broker_report(req)
-    p.terminate(); p.join()
-    broker.send_signal(signal.SIGTERM); broker.wait(10)
-    req.close(); ctx.term()
+    p.terminate()
+    p.join()
+    broker.send_signal(signal.SIGTERM)
+    broker.wait(10)
+    req.close()
+    ctx.term()
     return rate, report
 
 
@@ -141,14 +147,17 @@ def broker_report(req: CreditPirate) -> dict:
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--seconds", type=float, default=5.0, help="measured seconds per path and round")
-    ap.add_argument("--rounds", type=int, default=3, help="rounds of raw, pipeline per mode, raw; medians reported")
+    ap.add_argument("--rounds", type=int, default=3,
+                    help="rounds of raw, pipeline per mode, raw; medians reported")
     ap.add_argument("--envs", type=int, default=64)
     ap.add_argument("--T", type=int, default=64)
-    ap.add_argument("--batch", type=int, default=16, help="segments per batch request (learner.batch_segments)")
+    ap.add_argument("--batch", type=int, default=16,
+                    help="segments per batch request (learner.batch_segments)")
     ap.add_argument("--prefetch", type=int, default=2, help="requests in flight (learner.prefetch)")
     ap.add_argument("--when-full", default="evict,wait",
-                    help="comma list of broker.when_full modes to run: evict (drop unsampled segments when the "
-                         "store is full) and/or wait (stop reading until the learner samples: flow control)")
+                    help="comma list of broker.when_full modes to run: evict (drop unsampled segments when "
+                         "the store is full) and/or wait (stop reading until the learner "
+                         "samples: flow control)")
     a = ap.parse_args()
     # this process is the consumer of both runs: the learner's process setting, for the raw run too
     keep_freed_buffers()
@@ -157,8 +166,10 @@ def main() -> None:
         raise SystemExit(f"--when-full {a.when_full!r}: expected a comma list of evict, wait")
     nbytes = sum(v.nbytes for v in segment_arrays(a.T, a.envs).values())
     print(f"segment: T={a.T} x N={a.envs} = {a.T * a.envs} transitions, {nbytes / 1e6:.2f} MB; "
-          f"batch {a.batch} segments, {a.prefetch} request(s) in flight; {a.rounds} round(s) of {a.seconds:.0f} s")
-    print(f"{'round':<6}{'path':<44}{'transitions/s':>16}{'ratio':>8}  broker: inserted / sampled / evicted unused")
+          f"batch {a.batch} segments, {a.prefetch} request(s) in flight; {a.rounds} round(s) "
+          f"of {a.seconds:.0f} s")
+    print(f"{'round':<6}{'path':<44}{'transitions/s':>16}{'ratio':>8}  broker: inserted / "
+          "sampled / evicted unused")
     ratios: dict = {m: [] for m in modes}
     for r in range(a.rounds):
         raw_before = run_raw(a.seconds, a.T, a.envs)
@@ -167,7 +178,8 @@ def main() -> None:
         print(f"{r:<6}{'raw PUSH/PULL (receive + decode)':<44}{raw:>16,.0f}")
         for m, (rate, rep) in piped.items():
             ratios[m].append(rate / raw)
-            print(f"{r:<6}{'worker -> broker -> learner, when_full=' + m:<44}{rate:>16,.0f}{rate / raw:>8.3f}  "
+            print(f"{r:<6}{'worker -> broker -> learner, when_full=' + m:<44}"
+                  f"{rate:>16,.0f}{rate / raw:>8.3f}  "
                   f"{rep.get('inserted_segments')} / {rep.get('sampled_segments')} / "
                   f"{rep.get('drops', {}).get('evicted_unused', 0)}")
     for m in modes:

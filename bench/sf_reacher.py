@@ -63,7 +63,8 @@ def main() -> None:
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--cap", type=float, required=True, help="wall-time cap in seconds (from t0)")
     ap.add_argument("--t0", type=float, required=True, help="launch time (time.time()) of the caller")
-    ap.add_argument("--train-dir", required=True, help="Sample Factory's train_dir (experiment 'appo' goes in it)")
+    ap.add_argument("--train-dir", required=True,
+                    help="Sample Factory's train_dir (experiment 'appo' goes in it)")
     ap.add_argument("--workers", type=int, default=2)
     ap.add_argument("--envs-per-worker", type=int, default=8)
     args = ap.parse_args()
@@ -72,9 +73,10 @@ def main() -> None:
     print(json.dumps({"env": env_id}), flush=True)
 
     register_env(ENV_NAME, make_env)
-    argv = [f"--env={ENV_NAME}", "--experiment=appo", f"--train_dir={args.train_dir}", "--restart_behavior=overwrite",
-            f"--seed={args.seed}", "--device=cpu", f"--num_workers={args.workers}",
-            f"--num_envs_per_worker={args.envs_per_worker}", "--with_wandb=False"]
+    argv = [f"--env={ENV_NAME}", "--experiment=appo", f"--train_dir={args.train_dir}",
+            "--restart_behavior=overwrite", f"--seed={args.seed}", "--device=cpu",
+            f"--num_workers={args.workers}", f"--num_envs_per_worker={args.envs_per_worker}",
+            "--with_wandb=False"]
     parser, partial_cfg = parse_sf_args(argv=argv)
     mujoco_override_defaults(partial_cfg.env, parser)
     cfg = parse_full_cfg(parser, argv)

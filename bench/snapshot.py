@@ -1,4 +1,5 @@
-"""Benchmark: broker ingest while a store snapshot is being written, against the same broker between snapshots.
+"""Benchmark: broker ingest while a store snapshot is being written, against the same
+broker between snapshots.
 
 One broker per ``broker.snapshot_mode`` (thread, fork), each under the same load: a synthetic producer
 pushing segments as fast as the broker takes them (``bench/pipeline.py``'s producer). The store is filled
@@ -102,7 +103,8 @@ def main() -> None:
     nbytes = sum(v.nbytes for v in segment_arrays(a.T, a.envs).values())
     with tempfile.TemporaryDirectory() as tmp:
         base = run(a.seconds / 2, a.capacity, a.T, a.envs, 0.0, Path(tmp) / "off")
-        runs = {m: run(a.seconds, a.capacity, a.T, a.envs, a.interval, Path(tmp) / m, m) for m in ("thread", "fork")}
+        runs = {m: run(a.seconds, a.capacity, a.T, a.envs, a.interval, Path(tmp) / m, m)
+                for m in ("thread", "fork")}
         size = (Path(tmp) / "thread" / "snapshots" / "store.npz").stat().st_size
     print(f"store: {a.capacity} segments x {nbytes / 1e3:.0f} kB = {a.capacity * nbytes / 1e6:.0f} MB; "
           f"snapshot file {size / 1e6:.0f} MB; a snapshot every {a.interval} s")

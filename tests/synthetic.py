@@ -12,7 +12,8 @@ from zclaw.wire.messages import SEGMENT_ARRAYS
 def random_segment(
     spec: EnvSpec, T: int, N: int, rng: np.random.Generator, version: Any = 0, M: int = 0, options: int = 4
 ) -> Dict[str, np.ndarray]:
-    """Random arrays in the SEGMENT_ARRAYS layout, ``policy_version`` set to ``version``, plus M truncation rows."""
+    """Random arrays in the SEGMENT_ARRAYS layout, ``policy_version`` set to ``version``, plus
+    M truncation rows."""
     out: Dict[str, np.ndarray] = {}
     for name, (dtype, shape_of) in SEGMENT_ARRAYS.items():
         shape = shape_of(T, N, spec)

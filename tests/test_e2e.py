@@ -1,4 +1,5 @@
-"""End to end: the three roles as real processes on loopback TCP, stepping real MuJoCo, training a real network."""
+"""End to end: the three roles as real processes on loopback TCP, stepping real MuJoCo,
+training a real network."""
 from __future__ import annotations
 
 import json
@@ -82,7 +83,9 @@ def log_lines(path: Path) -> List[Dict[str, Any]]:
     return out
 
 
-def test_roles_by_hand_train_together_and_a_late_worker_acts_on_current_weights(roles: Roles, tmp_path: Path) -> None:
+def test_roles_by_hand_train_together_and_a_late_worker_acts_on_current_weights(
+    roles: Roles, tmp_path: Path
+) -> None:
     roles.start("broker")
     roles.start("learner", "--run-dir", str(tmp_path / "run"))
     roles.start("worker", "--env", "gym:Reacher-v5", "--index", "0", name="worker0")
@@ -104,9 +107,11 @@ def test_roles_by_hand_train_together_and_a_late_worker_acts_on_current_weights(
         acting = [e for e in log_lines(tmp_path / "worker1.log") if e.get("event") == "acting"]
         time.sleep(0.2)
     assert acting, "worker1 never acted"
-    assert acting[0]["version"] >= joined_at, "a joining worker must act on the current weights, not version 0"
-    started = [e for e in log_lines(tmp_path / "worker1.log") if e.get("event") == "waiting for learner weights"
-               or e.get("event") == "envs ready"]
+    assert acting[0]["version"] >= joined_at, (
+        "a joining worker must act on the current weights, not version 0"
+    )
+    started = [e for e in log_lines(tmp_path / "worker1.log")
+               if e.get("event") == "waiting for learner weights" or e.get("event") == "envs ready"]
     if started:
         from datetime import datetime
 

@@ -49,7 +49,8 @@ class DictObsEnv(gym.Env):
             ]
         )
 
-    def reset(self, *, seed: Optional[int] = None, options: Any = None) -> Tuple[Dict[str, Any], Dict[str, Any]]:
+    def reset(self, *, seed: Optional[int] = None,
+              options: Any = None) -> Tuple[Dict[str, Any], Dict[str, Any]]:
         super().reset(seed=seed)
         self.t = 0
         return self._obs(), {}
@@ -211,7 +212,8 @@ def test_every_backend_prefix_is_listed_in_the_unknown_prefix_error() -> None:
 def test_missing_isaacgym_and_mjwarp_say_how_to_install(monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.setitem(sys.modules, "isaacgym", None)  # "not installed"
     monkeypatch.delitem(sys.modules, "zclaw.envs.isaacgym_backend", raising=False)
-    with pytest.raises(BackendUnavailable, match=r"isaacgym:.*Isaac Gym Preview 4.*Python 3\.8.*docs/isaacgym\.md"):
+    with pytest.raises(BackendUnavailable,
+                       match=r"isaacgym:.*Isaac Gym Preview 4.*Python 3\.8.*docs/isaacgym\.md"):
         make_env("isaacgym:Ant", 1, 0, CPU)
     monkeypatch.setitem(sys.modules, "mujoco_warp", None)
     monkeypatch.delitem(sys.modules, "zclaw.envs.mjwarp_backend", raising=False)

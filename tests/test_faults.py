@@ -41,7 +41,8 @@ def events(path: Path, name: str) -> List[Dict[str, Any]]:
 def wait_event(
     path: Path, name: str, timeout: float = 60, where: Callable[[Dict[str, Any]], bool] = lambda e: True
 ) -> Dict[str, Any]:
-    """The first event ``name`` in the log at ``path`` for which ``where`` holds, waiting up to ``timeout``."""
+    """The first event ``name`` in the log at ``path`` for which ``where`` holds, waiting
+    up to ``timeout``."""
     deadline = time.monotonic() + timeout
     while time.monotonic() < deadline:
         found = [e for e in events(path, name) if where(e)]

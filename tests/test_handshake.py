@@ -10,7 +10,7 @@ from typing import Any, Dict, List
 import pytest
 import structlog
 import zmq
-from test_broker import SPEC, Worker, start_broker, with_header  # noqa: F401 (fixture)
+from test_broker import SPEC, Worker, with_header
 
 from zclaw import __version__
 from zclaw.stopping import EXIT_REFUSED

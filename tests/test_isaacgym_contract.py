@@ -44,7 +44,9 @@ def fake_gym(monkeypatch: pytest.MonkeyPatch) -> Iterator[types.ModuleType]:
     yield mod
 
 
-def test_contract_gpu_flag_sets_sim_rl_and_graphics_device(fake_gym: Any, monkeypatch: pytest.MonkeyPatch) -> None:
+def test_contract_gpu_flag_sets_sim_rl_and_graphics_device(
+    fake_gym: Any, monkeypatch: pytest.MonkeyPatch
+) -> None:
     assert isaacgym_devices(torch.device("cuda:3")) == ("cuda:3", "cuda:3", 3)
     assert isaacgym_devices(torch.device("cuda")) == ("cuda:0", "cuda:0", 0)
     assert isaacgym_devices(CPU) == ("cpu", "cpu", -1)
@@ -54,10 +56,11 @@ def test_contract_gpu_flag_sets_sim_rl_and_graphics_device(fake_gym: Any, monkey
     cfg = config.load(values={"worker.gpu": 1, "run.env": TASK, "worker.envs": 8})
     device = worker_mod.select_device(cfg["worker"]["gpu"])
     assert device == torch.device("cuda:1")
-    with pytest.raises(fake_gym.NoCudaHere):  # the fake records the call, then refuses: this machine has no GPU
+    # the fake records the call, then refuses: this machine has no GPU
+    with pytest.raises(fake_gym.NoCudaHere):
         make_env(cfg["run"]["env"], cfg["worker"]["envs"], 7, device)
-    assert fake_gym.CALLS[-1] == dict(seed=7, task="FakeReach", num_envs=8, sim_device="cuda:1", rl_device="cuda:1",
-                                      graphics_device_id=1, headless=True)
+    assert fake_gym.CALLS[-1] == dict(seed=7, task="FakeReach", num_envs=8, sim_device="cuda:1",
+                                      rl_device="cuda:1", graphics_device_id=1, headless=True)
     with pytest.raises(ValueError, match="NoSuchTask"):
         make_env("isaacgym:NoSuchTask", 2, 0, CPU)
 
@@ -128,7 +131,9 @@ class HostCopies(TorchFunctionMode):
         return func(*args, **kwargs)
 
 
-def test_contract_worker_never_copies_to_host_before_encoding(fake_gym: Any, monkeypatch: pytest.MonkeyPatch) -> None:
+def test_contract_worker_never_copies_to_host_before_encoding(
+    fake_gym: Any, monkeypatch: pytest.MonkeyPatch
+) -> None:
     from test_worker import StandInLearner  # real PUB + ROUTER sockets playing the learner
 
     N, T = 4, 16
@@ -201,7 +206,9 @@ class _Log:
         return lambda *a, **k: None
 
 
-def test_contract_zclaw_worker_imports_isaacgym_before_torch_and_trains_through_a_broker(tmp_path: Path) -> None:
+def test_contract_zclaw_worker_imports_isaacgym_before_torch_and_trains_through_a_broker(
+    tmp_path: Path
+) -> None:
     from test_e2e import Roles
 
     env = {"PYTHONPATH": str(FAKES)}
@@ -210,7 +217,8 @@ def test_contract_zclaw_worker_imports_isaacgym_before_torch_and_trains_through_
         roles.start("broker")
         roles.start("learner", "--run-dir", str(tmp_path / "run"))
         roles.start("worker", "--env", TASK, "--index", "0", name="worker0", env=env)
-        rep = roles.wait(roles.broker, lambda r: r.get("episodes", 0) > 0 and r.get("success_rate_100") is not None,
+        rep = roles.wait(roles.broker,
+                         lambda r: r.get("episodes", 0) > 0 and r.get("success_rate_100") is not None,
                          timeout=60)
         assert rep["spec"]["env_id"] == TASK
         rep = roles.wait(roles.learner, lambda r: (r.get("version") or 0) >= 2, timeout=60)
@@ -221,7 +229,8 @@ def test_contract_zclaw_worker_imports_isaacgym_before_torch_and_trains_through_
     import subprocess
 
     p = subprocess.run(
-        [sys.executable, "-c", "import torch, sys; from zclaw.envs.preload import preimport; preimport(sys.argv[1])",
+        [sys.executable, "-c",
+         "import torch, sys; from zclaw.envs.preload import preimport; preimport(sys.argv[1])",
          TASK], env={**__import__("os").environ, **env}, capture_output=True, text=True, timeout=60,
     )
     assert p.returncode != 0 and "PyTorch was imported before isaacgym" in p.stderr

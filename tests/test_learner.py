@@ -104,7 +104,8 @@ class BrokerStandIn(threading.Thread):
             return make("status", report={"role": "broker", "spec": spec}, role="broker")
         if msg.kind == "hello":  # the learner's handshake: the welcome names the env spec once there is one
             spec = SPEC.to_dict() if self.spec_ready.is_set() else None
-            return make("welcome", role="broker", identity="broker-standin", host="h", pid=1, zclaw="0", spec=spec)
+            return make("welcome", role="broker", identity="broker-standin", host="h", pid=1, zclaw="0",
+                        spec=spec)
         with self.lock:
             entry = {k: msg.get(k) for k in ("batch_size", "version", "priority_keys", "priorities")}
             self.requests.append(entry)

@@ -208,7 +208,8 @@ def test_termination_prior_by_hand_and_it_pulls_every_termination_toward_beta_0(
     z = torch.tensor([[0.0, math.log(3.0)], [-5.0, 5.0]], requires_grad=True)  # beta = 1/2, 3/4; ~0, ~1
     z0 = math.log(0.05 / 0.95)
     got = losses.termination_prior_loss(z, 0.05)
-    want = [0.5 * ((0.0 - z0) ** 2 + (math.log(3.0) - z0) ** 2) / 2, 0.5 * ((-5.0 - z0) ** 2 + (5.0 - z0) ** 2) / 2]
+    want = [0.5 * ((0.0 - z0) ** 2 + (math.log(3.0) - z0) ** 2) / 2,
+            0.5 * ((-5.0 - z0) ** 2 + (5.0 - z0) ** 2) / 2]
     close(got, want)
     got.sum().backward()
     # gradient descent lowers every logit above logit(0.05) and raises the one below, saturated or not

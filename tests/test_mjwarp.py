@@ -38,7 +38,8 @@ def test_mjwarp_reach_steps_truncates_resets_and_fills_a_segment() -> None:
                     buf.record_finals(t, res.final_obs, res.obs)
                 if seg == 0 and t == 0:
                     assert not torch.equal(env.qpos, q0)  # the motors moved the arm
-                    np.testing.assert_allclose(res.obs[:, 0:3].numpy(), torch.cos(env.qpos).numpy(), rtol=1e-5)
+                    np.testing.assert_allclose(res.obs[:, 0:3].numpy(), torch.cos(env.qpos).numpy(),
+                                               rtol=1e-5)
                 obs = res.obs
             buf.obs[T] = obs
             buf.episodes.extend(env.pop_episodes())
@@ -52,7 +53,8 @@ def test_mjwarp_reach_steps_truncates_resets_and_fills_a_segment() -> None:
         final = arrays["final_obs"]
         assert final.shape == (N, 15)
         assert not np.allclose(final, arrays["obs"][t_end + 1])  # the reset obs replaced the final one
-        assert len(episodes) == N and all(ep["length"] == 100 and isinstance(ep["success"], bool) for ep in episodes)
+        assert len(episodes) == N and all(ep["length"] == 100 and isinstance(ep["success"], bool)
+                                          for ep in episodes)
         per_step = np.concatenate(rewards).astype(np.float64)  # [2T, N]
         np.testing.assert_allclose([ep["return"] for ep in episodes], per_step[:100].sum(0), rtol=1e-5)
     finally:

@@ -48,8 +48,8 @@ def test_netns_cluster_trains_across_namespaces_with_curve(tmp_path: Path) -> No
 
     # the roles really were on separate addresses, with CURVE on their sockets
     logs = tmp_path / "logs"
-    events = [json.loads(ln) for f in ("broker.log", "learner.log") for ln in (logs / f).read_text().splitlines()
-              if ln.startswith("{")]
+    events = [json.loads(ln) for f in ("broker.log", "learner.log")
+              for ln in (logs / f).read_text().splitlines() if ln.startswith("{")]
     listening = [e for e in events if e.get("event") == "broker listening"]
     assert listening and listening[0]["host"] == "10.77.0.1" and listening[0]["curve"] is True
     up = [e for e in events if e.get("event") == "learner up"]

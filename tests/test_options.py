@@ -38,7 +38,8 @@ def random_batch(spec, rng, B=2, T=6, N=3, K=1, version=0) -> Dict[str, np.ndarr
 
 # -- K = 1 is the existing asynchronous PPO learner ---------------------------------------------------
 
-def reference_ppo_update(model: OptionPolicy, opt: torch.optim.Optimizer, p: dict, c: dict) -> Dict[str, float]:
+def reference_ppo_update(model: OptionPolicy, opt: torch.optim.Optimizer, p: dict,
+                         c: dict) -> Dict[str, float]:
     """The flat asynchronous-PPO update as the learner did it before options existed (V-trace
     advantages, PPO-clip, value loss, Gaussian entropy), written out independently of the Trainer."""
     T = p["values"].shape[0]
@@ -67,7 +68,8 @@ def reference_ppo_update(model: OptionPolicy, opt: torch.optim.Optimizer, p: dic
             loss = pg + c["vf_coef"] * vl - c["ent_coef"] * ent
             opt.zero_grad(set_to_none=True)
             loss.backward()
-            torch.nn.utils.clip_grad_norm_([q for q in model.parameters() if q.grad is not None], c["max_grad_norm"])
+            torch.nn.utils.clip_grad_norm_([q for q in model.parameters() if q.grad is not None],
+                                           c["max_grad_norm"])
             opt.step()
             out["policy"] += float(pg.detach())
             out["value"] += float(vl.detach())
@@ -81,7 +83,8 @@ def test_k1_is_exactly_flat_ppo_same_losses_and_parameters(mode: str, eps: float
     rng = np.random.default_rng(0)
     spec = spec_of(3, 2)
     model = make_model(spec, hidden=[16], options=1)
-    if eps:  # an epsilon-soft master (forced into the architecture; policy_config drops it for K = 1) changes nothing
+    # an epsilon-soft master (forced into the architecture; policy_config drops it for K = 1) changes nothing
+    if eps:
         model = OptionPolicy(replace(model.cfg, option_epsilon=eps))
     ref = copy.deepcopy(model)
     # target_kl off: the equivalence is of the losses and the step, not of the early-stopping rule
@@ -164,7 +167,8 @@ def test_act_keeps_the_option_until_its_termination_fires_and_always_picks_at_ep
     out2 = model2.act(obs, torch.zeros(n, dtype=torch.long), torch.ones(n, dtype=torch.bool))
     assert torch.equal(out2["option"], torch.ones(n, dtype=torch.long)) and bool(out2["option_start"].all())
     out3 = model2.act(obs, torch.zeros(n, dtype=torch.long), torch.zeros(n, dtype=torch.bool))
-    assert torch.equal(out3["option"], torch.zeros(n, dtype=torch.long)) and not bool(out3["option_start"].any())
+    assert (torch.equal(out3["option"], torch.zeros(n, dtype=torch.long))
+            and not bool(out3["option_start"].any()))
     # beta = 1/2: about half of the steps pick afresh; the recorded log-prob is pi_hat's
     model4 = two_option_model(spec, master_bias=(0.0, 0.0))
     out4 = model4.act(obs, prev, torch.zeros(n, dtype=torch.bool))
@@ -192,7 +196,8 @@ def test_termination_is_evaluated_at_the_next_state() -> None:
         prev = torch.tensor([0, 0, 0, 1])
         with torch.no_grad():
             at_next = model.call_and_return_logits(x[:T], prev, torch.zeros(T, dtype=torch.bool))
-            at_prev = model.call_and_return_logits(torch.cat([x[:1], x[: T - 1]]), prev, torch.zeros(T, dtype=torch.bool))
+            at_prev = model.call_and_return_logits(torch.cat([x[:1], x[: T - 1]]), prev,
+                                                   torch.zeros(T, dtype=torch.bool))
         o = torch.tensor([0, 0, 1, 1])
         want = at_next.gather(-1, o.unsqueeze(-1)).squeeze(-1)
         wrong = at_prev.gather(-1, o.unsqueeze(-1)).squeeze(-1)
@@ -250,7 +255,8 @@ def test_importance_weights_are_truncated_as_configured(rho_bar: float) -> None:
 
 # -- the epsilon-soft policy over options: (1 - eps) softmax(z) + eps / K, one distribution everywhere ------
 
-def four_option_model(spec, epsilon: float, master_bias=(30.0, -30.0, -30.0, -30.0), beta_bias=0.0) -> OptionPolicy:
+def four_option_model(spec, epsilon: float, master_bias=(30.0, -30.0, -30.0, -30.0),
+                      beta_bias=0.0) -> OptionPolicy:
     """K = 4 with hand-set heads: z(s) = master_bias, beta_o(s) = sigmoid(beta_bias) for every option."""
     model = make_model(spec, hidden=[8], options=4, normalize_obs=False, option_epsilon=epsilon)
     with torch.no_grad():
@@ -267,7 +273,8 @@ def four_option_model(spec, epsilon: float, master_bias=(30.0, -30.0, -30.0, -30
 def test_epsilon_soft_probabilities_sum_to_one_and_respect_the_floor(eps: float) -> None:
     torch.manual_seed(4)
     K = 4
-    logits = torch.cat([torch.randn(64, K) * 3, torch.tensor([[60.0, -60.0, -60.0, -60.0], [0.0, 0.0, 0.0, 0.0]])])
+    logits = torch.cat([torch.randn(64, K) * 3,
+                        torch.tensor([[60.0, -60.0, -60.0, -60.0], [0.0, 0.0, 0.0, 0.0]])])
     logp = losses.epsilon_soft_log_probs(logits, eps)
     p = logp.exp()
     torch.testing.assert_close(p.sum(-1), torch.ones(len(logits)))
@@ -368,7 +375,8 @@ def test_epsilon_zero_reproduces_the_softmax_master_exactly(mode: str) -> None:
     p = trainer.prepare(batch_message(spec, random_batch(spec, rng, K=3)), 0, update_norm=False)
     T = p["values"].shape[0]
     mb = {k: p[k].reshape(-1) for k in ("option", "prev_option", "ep_start", "known", "option_start",
-                                         "logp_mu_option", "adv_high", "adv_master", "q_prev", "v", "log_rho_option")}
+                                        "logp_mu_option", "adv_high", "adv_master", "q_prev", "v",
+                                        "log_rho_option")}
     mb["x"], mb["w"] = p["x"][:T].reshape(-1, 3), torch.ones(mb["option"].shape)
     with torch.no_grad():
         terms = trainer._option_terms(mb, 0.2, 1.0)
@@ -408,8 +416,8 @@ def test_learner_trains_the_distribution_the_workers_sample_from() -> None:
             if mode == "ppoc":
                 torch.testing.assert_close(p["v"], (model.q(x) * pi_eps).sum(-1))
             mb = {k: p[k].reshape(-1) for k in ("option", "prev_option", "ep_start", "known", "option_start",
-                                                 "logp_mu_option", "adv_high", "adv_master", "q_prev", "v",
-                                                 "log_rho_option")}
+                                                "logp_mu_option", "adv_high", "adv_master", "q_prev", "v",
+                                                "log_rho_option")}
             mb["x"], mb["w"] = x.reshape(-1, 3), torch.ones(T * N)
             terms = trainer._option_terms(mb, 0.2, 1.0)
             pe = pi_eps.reshape(-1, K)
@@ -433,7 +441,8 @@ def test_option_epsilon_travels_with_the_policy_config() -> None:
     assert make_model(spec, hidden=[8], options=1, option_epsilon=0.25).cfg.option_epsilon == 0.0
     # checkpoints written before the key: a flat run resumes, a K = 4 run with eps > 0 is told what differs
     flat = make_model(spec, hidden=[8], options=1).cfg
-    state = {"spec": spec.to_dict(), "policy": {k: v for k, v in flat.to_dict().items() if k != "option_epsilon"}}
+    state = {"spec": spec.to_dict(),
+             "policy": {k: v for k, v in flat.to_dict().items() if k != "option_epsilon"}}
     ckpt.check_compatible(state, spec.to_dict(), flat)
     state4 = {"spec": spec.to_dict(), "policy": old}
     ckpt.check_compatible(state4, spec.to_dict(), replace(cfg, option_epsilon=0.0))
@@ -481,8 +490,11 @@ def test_the_termination_prior_pulls_terminations_toward_its_rate(mode: str) -> 
         for _ in range(3):
             m = trainer.update(batch_message(spec, batch), 0)
         assert math.isfinite(m["loss/termination_prior"])
-        drift[coef] = before - float(model.beta(model.obs_norm(torch.as_tensor(batch["obs"].reshape(-1, 3)))).mean())
-    assert abs(drift[0.0]) < 0.01  # nothing else trains the termination head here (the normaliser moves x a bit)
+        drift[coef] = before - float(
+            model.beta(model.obs_norm(torch.as_tensor(batch["obs"].reshape(-1, 3)))).mean()
+        )
+    # nothing else trains the termination head here (the normaliser moves x a bit)
+    assert abs(drift[0.0]) < 0.01
     assert drift[2.0] > 0.1  # from ~0.5 toward 0.05
 
 
@@ -510,11 +522,13 @@ def test_student_is_distilled_toward_the_clipped_teacher_and_travels_with_the_we
     for v in range(60):
         m = trainer.update(bandit_batch(model, spec, rng), v)
     obs = torch.from_numpy(rng.normal(size=(64, 1)).astype(np.float32))
-    teacher = model.act(obs, torch.zeros(64, dtype=torch.long), torch.ones(64, dtype=torch.bool), deterministic=True)
+    teacher = model.act(obs, torch.zeros(64, dtype=torch.long), torch.ones(64, dtype=torch.bool),
+                        deterministic=True)
     target = teacher["action"].clamp(-1, 1)
     gap_before = float((initial.student_act(obs) - target).abs().mean())
     gap_after = float((model.student_act(obs) - target).abs().mean())
-    assert gap_before > 0.3 and gap_after < 0.1, (gap_before, gap_after)  # the teacher moved; the student followed
+    # the teacher moved; the student followed
+    assert gap_before > 0.3 and gap_after < 0.1, (gap_before, gap_after)
     assert 0 < m["loss/student"] < 0.02
     # the weights message carries the student: a worker-side copy gives the same student actions
     copy_ = model_from_weights(parse(unpack(weights_message(model, 1, 0, spec.hash))))
@@ -547,7 +561,8 @@ def test_health_figures_by_hand_and_warnings() -> None:
     s = h.summary(model)
     assert s["usage"] == pytest.approx([4 / 6, 2 / 6])
     assert s["duration"] == pytest.approx([4 / 2, 2 / 1])
-    # decisions at t = 1..5 with prev 0, 0, 0, 1, 1: option 0 fired once in 3 (t = 3), option 1 once in 2 (t = 5)
+    # decisions at t = 1..5 with prev 0, 0, 0, 1, 1: option 0 fired once in 3 (t = 3),
+    # option 1 once in 2 (t = 5)
     assert s["termination_rate"] == pytest.approx([1 / 3, 1 / 2])
     assert s["distance_min"] is not None and s["distance_min"] >= 0
     assert s["warnings"] == []

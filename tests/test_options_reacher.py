@@ -66,7 +66,8 @@ def collect(env, model: OptionPolicy, state: dict, version: int) -> Tuple[Dict[s
 
 
 def as_batch(spec, segments: List[Dict[str, np.ndarray]]):
-    arrays = {k: np.stack([s[k] for s in segments]) for k in segments[0] if k not in ("final_obs", "final_at")}
+    arrays = {k: np.stack([s[k] for s in segments])
+              for k in segments[0] if k not in ("final_obs", "final_at")}
     fo, fa = [], []
     for b, s in enumerate(segments):
         fo.append(s["final_obs"])
@@ -75,8 +76,8 @@ def as_batch(spec, segments: List[Dict[str, np.ndarray]]):
     arrays["final_at"] = np.concatenate(fa).astype(np.int32)
     arrays["is_weight"] = np.ones(len(segments), np.float32)
     B = len(segments)
-    msg = parse(make("batch", arrays, keys=list(range(B)), workers=["w"] * B, seqs=list(range(B)), episodes=[],
-                     spec_hash=spec.hash), ("batch",))
+    msg = parse(make("batch", arrays, keys=list(range(B)), workers=["w"] * B, seqs=list(range(B)),
+                     episodes=[], spec_hash=spec.hash), ("batch",))
     batch_dims(msg, spec)
     return msg
 
@@ -99,7 +100,8 @@ def test_short_reacher_run_improves_on_the_random_policy(options: int, mode: str
     model = OptionPolicy(policy_config(cfg["policy"], env.spec))
     lc = dict(cfg["learner"], lr=1e-3, minibatches=8, mode=mode)
     trainer = Trainer(model, lc, "cpu", action_low=env.spec.action_low, action_high=env.spec.action_high)
-    state = {"obs": env.reset(seed=0), "prev": torch.zeros(N, dtype=torch.long), "start": torch.ones(N, dtype=torch.bool)}
+    state = {"obs": env.reset(seed=0), "prev": torch.zeros(N, dtype=torch.long),
+             "start": torch.ones(N, dtype=torch.bool)}
     before = mean_return(env, model, state, 64)
     t0 = time.monotonic()
     version = 0

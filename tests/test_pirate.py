@@ -63,11 +63,15 @@ def test_credit_keeps_requests_in_flight_and_replies_in_order() -> None:
     client = CreditPirate(ctx, f"tcp://127.0.0.1:{port}", credit=3, timeout_ms=2000, retries=1)
     try:
         replies = [client.exchange(make("retry", reason="q", retry_ms=i + 1)) for i in range(6)]
-        # the first call fills three credits with request 1; each later call adds one request and takes one reply
+        # the first call fills three credits with request 1; each later call adds one
+        # request and takes one reply
         assert [r["retry_ms"] for r in replies] == [1, 1, 1, 2, 3, 4]
         assert server.max_queued == 3 and len(client.in_flight) == 2
     finally:
-        server.stop.set(); server.join(); client.close(); ctx.term()
+        server.stop.set()
+        server.join()
+        client.close()
+        ctx.term()
 
 
 def test_a_silent_peer_is_replaced_and_outstanding_requests_are_sent_again() -> None:
@@ -87,15 +91,20 @@ def test_a_silent_peer_is_replaced_and_outstanding_requests_are_sent_again() -> 
         while len(mute.seen) < 2 and time.monotonic() < deadline:
             time.sleep(0.01)
         assert mute.seen == [7, 7]  # both credits went out, neither is answered
-        mute.stop.set(); mute.join()
+        mute.stop.set()
+        mute.join()
         live = Server(ctx, port)  # the peer comes back on the same port
         live.start()
         t.join(10)
         assert result["r"]["retry_ms"] == 7 and client.failures == 0
         assert live.seen[:2] == [7, 7]  # the fresh socket asked both outstanding requests again
-        live.stop.set(); live.join()
+        live.stop.set()
+        live.join()
     finally:
-        done.set(); t.join(5); client.close(); ctx.term()
+        done.set()
+        t.join(5)
+        client.close()
+        ctx.term()
 
 
 def test_retries_used_up_returns_none() -> None:
@@ -106,4 +115,5 @@ def test_retries_used_up_returns_none() -> None:
         assert client.exchange(make("retry", reason="q", retry_ms=1)) is None
         assert client.failures == 2
     finally:
-        client.close(); ctx.term()
+        client.close()
+        ctx.term()

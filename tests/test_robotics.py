@@ -22,10 +22,13 @@ FETCH, HAND = "FetchReachDense-v4", "HandReach-v3"
 
 
 def test_fetch_and_hand_build_with_this_mujoco() -> None:
-    """Without zclaw's patch, gymnasium-robotics fails in make on mujoco >= 3.12; with it both families build."""
+    """Without zclaw's patch, gymnasium-robotics fails in make on mujoco >= 3.12; with it
+    both families build."""
     if robotics.comparison_broken():
-        code = f"import gymnasium as gym, gymnasium_robotics; gym.register_envs(gymnasium_robotics); gym.make({FETCH!r})"
-        p = subprocess.run([sys.executable, "-W", "ignore", "-c", code], capture_output=True, text=True, timeout=120)
+        code = ("import gymnasium as gym, gymnasium_robotics; gym.register_envs(gymnasium_robotics); "
+                f"gym.make({FETCH!r})")
+        p = subprocess.run([sys.executable, "-W", "ignore", "-c", code], capture_output=True, text=True,
+                           timeout=120)
         assert p.returncode != 0 and "AssertionError" in p.stderr  # the bug the patch exists for
     for name, obs_dim, act_dim in ((FETCH, 16, 4), (HAND, 93, 20)):
         env = make_env("gym:" + name, 1, 0, CPU)
@@ -108,7 +111,8 @@ def test_env_steps_through_a_worker_into_the_broker(name: str, extra: list, tmp_
         roles.start("learner", "--run-dir", str(tmp_path / "run"))
         roles.start("worker", "--env", "gym:" + name, "--index", "0", *extra, name="worker0")
         rep = roles.wait(
-            roles.broker, lambda r: r.get("episodes", 0) >= 4 and r.get("success_rate_100") is not None, timeout=80
+            roles.broker, lambda r: r.get("episodes", 0) >= 4 and r.get("success_rate_100") is not None,
+            timeout=80
         )
         assert rep["spec"]["env_id"] == "gym:" + name
         assert 0.0 <= rep["success_rate_100"] <= 1.0

@@ -55,7 +55,8 @@ def test_keys_generate_writes_the_layout_refuses_overwrite_and_force_replaces(tm
     names = ["broker", "learner", "tools", "worker0", "worker1", "ops"]
     assert sorted(p.name for p in (d / "private").iterdir()) == sorted(f"{n}.key_secret" for n in names)
     assert sorted(p.name for p in (d / "servers").iterdir()) == ["broker.key", "learner.key"]
-    assert sorted(p.name for p in (d / "allowed").iterdir()) == sorted(f"{n}.key" for n in names if n != "broker")
+    assert (sorted(p.name for p in (d / "allowed").iterdir())
+            == sorted(f"{n}.key" for n in names if n != "broker"))
     assert stat.S_IMODE((d / "private").stat().st_mode) == 0o700
     for n in names:
         secret_file = d / "private" / f"{n}.key_secret"
@@ -76,7 +77,8 @@ def test_keys_generate_writes_the_layout_refuses_overwrite_and_force_replaces(tm
     assert forced.returncode == 0, forced.stderr
     assert (d / "private" / "broker.key_secret").read_bytes() != before
 
-    added = subprocess.run(ZCLAW + ["keys", "add", str(d), "worker7"], capture_output=True, text=True, timeout=60)
+    added = subprocess.run(ZCLAW + ["keys", "add", str(d), "worker7"], capture_output=True, text=True,
+                           timeout=60)
     assert added.returncode == 0, added.stderr
     assert (d / "allowed" / "worker7.key").is_file() and (d / "private" / "worker7.key_secret").is_file()
     with pytest.raises(KeysError, match="worker7"):
@@ -107,8 +109,11 @@ def test_missing_or_bad_key_files_are_config_errors_naming_the_key(keys: Path, t
     empty.mkdir()
     with pytest.raises(ConfigError, match=r"security\.allowed_clients: .*holds no \*\.key"):
         Security.from_config(keys_cfg(keys, allowed_clients=str(empty)), "broker")
-    only_explicit = config_mod.load(values={"security.client_secret": str(keys / "private" / "worker0.key_secret")})
-    with pytest.raises(ConfigError, match=r"security\.broker_public is not set and security\.keys_dir is empty"):
+    only_explicit = config_mod.load(
+        values={"security.client_secret": str(keys / "private" / "worker0.key_secret")}
+    )
+    with pytest.raises(ConfigError,
+                       match=r"security\.broker_public is not set and security\.keys_dir is empty"):
         Security.from_config(only_explicit, "worker")
 
     # a worker refuses to start (exit code 2) before it builds its envs
@@ -209,7 +214,8 @@ def test_allowed_roles_train_and_strangers_get_nothing_through_any_socket(
         rep = roles.wait(roles.learner, lambda r: (r.get("version") or 0) >= 2, timeout=90)
         spec = EnvSpec.from_dict(rep["spec"])
         b = roles.wait(roles.broker, lambda r: any(
-            k.startswith("w0-") and w["segments"] > 0 and (w["version"] or 0) >= 1 for k, w in r["workers"].items()
+            k.startswith("w0-") and w["segments"] > 0 and (w["version"] or 0) >= 1
+            for k, w in r["workers"].items()
         ), timeout=30)
         assert b["inserted_segments"] > 0
 
@@ -230,7 +236,8 @@ def test_allowed_roles_train_and_strangers_get_nothing_through_any_socket(
             push.send_multipart(make("hello", role="worker", identity=ident, host="x", pid=1, zclaw="0",
                                      spec=spec.to_dict()))
             arrays = random_segment(spec, 32, 4, rng, version=0)
-            push.send_multipart(make("segment", arrays, worker=ident, seq=0, spec_hash=spec.hash, episodes=[]))
+            push.send_multipart(make("segment", arrays, worker=ident, seq=0, spec_hash=spec.hash,
+                                     episodes=[]))
             pushers.append(push)
 
         snapshot = make("snapshot", spec_hash=spec.hash)
@@ -257,7 +264,9 @@ def test_allowed_roles_train_and_strangers_get_nothing_through_any_socket(
         assert got["plain"] == 0 and got["stranger"] == 0, got
 
         b = roles.broker.report()
-        assert b["workers"].get("intruder-tools", {}).get("segments") == 1, "control: an allowed push is stored"
+        assert b["workers"].get("intruder-tools", {}).get("segments") == 1, (
+            "control: an allowed push is stored"
+        )
         assert "intruder-plain" not in b["workers"] and "intruder-stranger" not in b["workers"], b["workers"]
         for push in pushers:
             push.close(linger=0)
@@ -292,8 +301,8 @@ def test_non_loopback_bind_is_refused_without_keys_unless_insecure(keys: Path, t
         assert "refusing to bind" in out.stderr and "--insecure" in out.stderr, out.stderr
 
     run_dir = tmp_path / "trun"
-    out = subprocess.run(ZCLAW + ["train", "--time", "5", "--run-dir", str(run_dir)] + wide, capture_output=True,
-                         text=True, timeout=60)
+    out = subprocess.run(ZCLAW + ["train", "--time", "5", "--run-dir", str(run_dir)] + wide,
+                         capture_output=True, text=True, timeout=60)
     assert out.returncode == 2 and "--insecure" in out.stderr, out.stderr
     assert not run_dir.exists(), "refused before any process started"
 
@@ -301,7 +310,8 @@ def test_non_loopback_bind_is_refused_without_keys_unless_insecure(keys: Path, t
         ports = _ports_args()
         serve_port = int(ports[3].split("=")[1])
         log = open(tmp_path / log_name, "wb")
-        proc = subprocess.Popen(ZCLAW + ["broker"] + wide + ports + extra, stdout=log, stderr=subprocess.STDOUT)
+        proc = subprocess.Popen(ZCLAW + ["broker"] + wide + ports + extra, stdout=log,
+                                stderr=subprocess.STDOUT)
         ctx = zmq.Context()
         client = StatusClient(ctx, tcp("127.0.0.1", serve_port), curve=curve)
         try:
@@ -324,8 +334,8 @@ def test_non_loopback_bind_is_refused_without_keys_unless_insecure(keys: Path, t
     assert warned and warned[0]["level"] == "warning" and warned[0]["bind_host"] == "0.0.0.0"
 
     # with keys, binding beyond loopback needs no flag, and plain clients are shut out
-    serve(["--set", f"security.keys_dir={keys}"], Security.from_config(keys_cfg(keys), "tools").client("broker"),
-          "curve.log")
+    serve(["--set", f"security.keys_dir={keys}"],
+          Security.from_config(keys_cfg(keys), "tools").client("broker"), "curve.log")
     assert not [e for e in log_lines(tmp_path / "curve.log") if "WITHOUT encryption" in str(e.get("event"))]
 
 
@@ -342,6 +352,9 @@ def test_train_with_keys_runs_encrypted_and_checks_every_key_first(keys: Path, t
                          timeout=120)
     assert out.returncode == 0, out.stdout + out.stderr
     summary = json.loads((run_dir / "summary.json").read_text())
-    assert summary["env_steps"] > 0 and summary["updates"], "the launcher's status client got through as tools"
-    listening = [e for e in log_lines(run_dir / "logs" / "broker.log") if e.get("event") == "broker listening"]
+    assert summary["env_steps"] > 0 and summary["updates"], (
+        "the launcher's status client got through as tools"
+    )
+    listening = [e for e in log_lines(run_dir / "logs" / "broker.log")
+                 if e.get("event") == "broker listening"]
     assert listening[0]["curve"] is True

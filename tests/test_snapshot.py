@@ -12,7 +12,6 @@ import numpy as np
 import pytest
 from synthetic import random_segment
 from test_broker import SPEC, T, N, Worker, assert_same_segment, seg_arrays
-from test_broker import start_broker  # noqa: F401 (the fixture)
 
 from zclaw.broker import snapshot
 from zclaw.broker.store import Store
@@ -96,9 +95,12 @@ def _children(pid: int) -> List[int]:
 
 
 @pytest.mark.parametrize("mode", ["thread", "fork"])
-def test_broker_snapshots_while_ingesting_and_restores_after_sigkill(start_broker, tmp_path: Path, mode: str) -> None:
+def test_broker_snapshots_while_ingesting_and_restores_after_sigkill(
+    start_broker, tmp_path: Path, mode: str
+) -> None:
     run_dir = tmp_path / "run"
-    opts = ("broker.capacity=32", "broker.snapshot_s=0.3", "broker.max_reuse=1", f"broker.snapshot_mode={mode}")
+    opts = ("broker.capacity=32", "broker.snapshot_s=0.3", "broker.max_reuse=1",
+            f"broker.snapshot_mode={mode}")
     broker = start_broker(*opts, extra_args=("--run-dir", str(run_dir)))
     rng = np.random.default_rng(0)
     w = Worker(broker.ctx, broker.ingest_port)

@@ -25,8 +25,9 @@ def roles(tmp_path: Path):
 def status(roles: Roles, *extra: str) -> subprocess.CompletedProcess:
     p = roles.ports
     return subprocess.run(
-        ZCLAW + ["status", "--broker", f"127.0.0.1:{p['serve_port']}", "--learner", f"127.0.0.1:{p['learner_port']}",
-                 *extra], capture_output=True, text=True, timeout=60)
+        ZCLAW + ["status", "--broker", f"127.0.0.1:{p['serve_port']}",
+                 "--learner", f"127.0.0.1:{p['learner_port']}", *extra],
+        capture_output=True, text=True, timeout=60)
 
 
 def test_status_json_shows_what_the_roles_report(roles: Roles, tmp_path: Path) -> None:
@@ -35,7 +36,8 @@ def test_status_json_shows_what_the_roles_report(roles: Roles, tmp_path: Path) -
     worker = roles.start("worker", "--env", "gym:Reacher-v5", "--index", "0", "--set", "policy.options=2",
                          name="worker0")
     roles.wait(roles.learner, lambda r: (r.get("version") or 0) >= 3 and r.get("options"), timeout=75)
-    roles.wait(roles.broker, lambda r: any((w.get("version") or 0) >= 1 for w in r["workers"].values()), timeout=30)
+    roles.wait(roles.broker, lambda r: any((w.get("version") or 0) >= 1 for w in r["workers"].values()),
+               timeout=30)
 
     b0, l0 = roles.broker.report(), roles.learner.report()
     out = status(roles, "--json")
@@ -51,7 +53,8 @@ def test_status_json_shows_what_the_roles_report(roles: Roles, tmp_path: Path) -
     assert l0["updates"] <= L["updates"] <= l1["updates"]
     assert B["spec"]["env_id"] == "gym:Reacher-v5" and B["capacity"] == b0["capacity"]
     assert sum(B["lag_hist"].values()) > 0 and isinstance(B["drops"], dict)
-    assert {"loss/policy", "loss/value"} <= set(L["losses"]) or {"policy_loss", "value_loss"} <= set(L["losses"])
+    assert ({"loss/policy", "loss/value"} <= set(L["losses"])
+            or {"policy_loss", "value_loss"} <= set(L["losses"]))
     assert len(L["options"]["usage"]) == 2
 
     # the workers table: the real worker process, with its weights version and how far it lags the learner
@@ -64,8 +67,8 @@ def test_status_json_shows_what_the_roles_report(roles: Roles, tmp_path: Path) -
     # the text view shows the same parts
     text = status(roles, "--once")
     assert text.returncode == 0, text.stderr
-    for part in ("LEARNER  version", "BROKER   fill", "lag (versions)", "options", "WORKERS  1", str(worker.pid),
-                 "usage"):
+    for part in ("LEARNER  version", "BROKER   fill", "lag (versions)", "options", "WORKERS  1",
+                 str(worker.pid), "usage"):
         assert part in text.stdout, (part, text.stdout)
 
 
@@ -74,14 +77,17 @@ def test_status_fails_clearly_when_nothing_answers() -> None:
     out = subprocess.run(ZCLAW + ["status", "--once", "--timeout", "200", "--broker", f"127.0.0.1:{a}",
                                   "--learner", f"127.0.0.1:{b}"], capture_output=True, text=True, timeout=30)
     assert out.returncode == 1
-    assert "nothing answers" in out.stderr and f"127.0.0.1:{a}" in out.stderr and f"127.0.0.1:{b}" in out.stderr
+    assert ("nothing answers" in out.stderr and f"127.0.0.1:{a}" in out.stderr
+            and f"127.0.0.1:{b}" in out.stderr)
 
 
 def test_status_rejects_a_bad_endpoint() -> None:
-    out = subprocess.run(ZCLAW + ["status", "--broker", "nohostport"], capture_output=True, text=True, timeout=30)
+    out = subprocess.run(ZCLAW + ["status", "--broker", "nohostport"], capture_output=True, text=True,
+                         timeout=30)
     assert out.returncode == 2 and "--broker = 'nohostport' is not allowed: expected HOST:PORT" in out.stderr
 
 
 def test_status_reads_a_run_directory_config(tmp_path: Path) -> None:
-    out = subprocess.run(ZCLAW + ["status", "--run-dir", str(tmp_path)], capture_output=True, text=True, timeout=30)
+    out = subprocess.run(ZCLAW + ["status", "--run-dir", str(tmp_path)], capture_output=True, text=True,
+                         timeout=30)
     assert out.returncode == 2 and "no config.toml" in out.stderr

@@ -1,4 +1,5 @@
-"""The tools on a short real run: the run's records, TensorBoard, `zclaw plot`, `zclaw eval`, `zclaw export`."""
+"""The tools on a short real run: the run's records, TensorBoard, `zclaw plot`,
+`zclaw eval`, `zclaw export`."""
 from __future__ import annotations
 
 import json
@@ -52,9 +53,10 @@ def test_tensorboard_has_returns_lag_throughput_per_role(run_dir: Path) -> None:
     acc = EventAccumulator(str(run_dir / "tb"))
     acc.Reload()
     tags = set(acc.Tags()["scalars"])
-    for tag in ("episode/return", "episode/return_mean_100", "lag/mean", "lag/max", "throughput/env_steps_per_s",
-                "throughput/updates_per_s", "throughput/broker_insert_steps_per_s",
-                "throughput/broker_sample_segments_per_s", "broker/fill"):
+    for tag in ("episode/return", "episode/return_mean_100", "lag/mean", "lag/max",
+                "throughput/env_steps_per_s", "throughput/updates_per_s",
+                "throughput/broker_insert_steps_per_s", "throughput/broker_sample_segments_per_s",
+                "broker/fill"):
         assert tag in tags, (tag, sorted(tags))
     assert any(t.startswith("throughput/worker/") for t in tags)
     assert any(t.startswith("lag/share/") for t in tags)
@@ -124,10 +126,12 @@ def test_eval_json_reports_teacher_student_and_options(run_dir: Path) -> None:
     assert len(o["usage"]) == 2 and abs(sum(o["usage"]) - 1) < 1e-9
     assert o["picks_per_episode"] >= 1 and o["duration_mean"] >= 1
     assert abs(o["duration_mean"] * o["picks_per_episode"] - 50) < 1e-6  # the stretches cover each episode
-    assert rep["student_minus_teacher"] == pytest.approx(rep["student"]["return_mean"] - rep["teacher"]["return_mean"])
+    assert rep["student_minus_teacher"] == pytest.approx(rep["student"]["return_mean"]
+                                                         - rep["teacher"]["return_mean"])
 
     # the same seeds give the same teacher figures (deterministic acting)
-    again = json.loads(subprocess.run(ZCLAW + ["eval", str(run_dir), "-n", "4", "--json", "--policy", "teacher"],
+    again = json.loads(subprocess.run(ZCLAW + ["eval", str(run_dir), "-n", "4", "--json",
+                                               "--policy", "teacher"],
                                       capture_output=True, text=True, timeout=120).stdout)
     assert again["teacher"]["return_mean"] == pytest.approx(rep["teacher"]["return_mean"])
     assert "student" not in again
@@ -149,7 +153,8 @@ def test_export_round_trip_equals_student_act(run_dir: Path, tmp_path: Path) -> 
     assert torch.allclose(got, want, atol=1e-6)
     # the normaliser is inside: shifting the raw input changes the output the same way as for the student
     with torch.no_grad():
-        assert torch.allclose(exported(obs + 5), torch.max(torch.min(model.student_act(obs + 5), high), low), atol=1e-6)
+        assert torch.allclose(exported(obs + 5), torch.max(torch.min(model.student_act(obs + 5), high), low),
+                              atol=1e-6)
 
     from zclaw.tools.export import read_meta
 
@@ -164,8 +169,8 @@ def test_export_round_trip_equals_student_act(run_dir: Path, tmp_path: Path) -> 
 
 
 def test_export_of_a_missing_checkpoint_fails_clearly(tmp_path: Path) -> None:
-    out = subprocess.run(ZCLAW + ["export", str(tmp_path), str(tmp_path / "x.pt")], capture_output=True, text=True,
-                         timeout=60)
+    out = subprocess.run(ZCLAW + ["export", str(tmp_path), str(tmp_path / "x.pt")], capture_output=True,
+                         text=True, timeout=60)
     assert out.returncode == 1 and "no checkpoint" in out.stderr
 
 

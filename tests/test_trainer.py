@@ -113,7 +113,8 @@ def test_target_kl_stops_the_epochs_early_and_zero_runs_them_all() -> None:
         m = trainer.update(bandit_batch(model, spec, rng), 0)
         steps[target] = (m["sgd_steps"], m["kl_stopped"])
     assert steps[0.0] == (12.0, 0.0)  # 3 epochs x 4 minibatches
-    assert steps[1e-9] == (1.0, 1.0)  # the first step moved the policy past any tiny KL: stop before the second
+    # the first step moved the policy past any tiny KL: stop before the second
+    assert steps[1e-9] == (1.0, 1.0)
 
 
 def test_metrics_and_priorities() -> None:
@@ -130,8 +131,8 @@ def test_metrics_and_priorities() -> None:
     a["policy_version"][1] = [5, 5, 6, 6, 6]
     a["logp_action"][:] = -20.0  # behaviour gave these actions tiny probability: rho = pi/mu >> 1
     m = trainer.update(batch_message(spec, a), version=8)
-    for key in ("loss/policy", "loss/value", "loss/entropy", "loss/student", "approx_kl", "clip_frac", "rho_mean",
-                "rho_clipped_frac", "lag_mean", "lag_max", "explained_variance"):
+    for key in ("loss/policy", "loss/value", "loss/entropy", "loss/student", "approx_kl", "clip_frac",
+                "rho_mean", "rho_clipped_frac", "lag_mean", "lag_max", "explained_variance"):
         assert isinstance(m[key], float), key
     assert m["lag_max"] == 3.0
     assert m["lag_mean"] == pytest.approx((5 * 1 + 3 + 3 + 2 + 2 + 2) / 10)
@@ -166,7 +167,7 @@ def test_truncated_steps_bootstrap_from_final_obs_in_the_right_column() -> None:
     v0 = float(p["values"][0, 3])
     assert float(p["vs"][0, 3]) == pytest.approx(v0 + rho * (1.0 + gamma * v_final - v0), abs=1e-5)
     assert float(p["vs"][1, 0]) == pytest.approx(v0_col(p, 1, 0) + rho_at(p, 1, 0) * (1.0 - v0_col(p, 1, 0)),
-                                                abs=1e-5)
+                                                 abs=1e-5)
     # every other entry is unchanged by the final observation
     mask = torch.ones(T, B * N, dtype=torch.bool)
     mask[0, 3] = False

@@ -61,8 +61,8 @@ def test_annotate_colours_the_border_by_option() -> None:
 
 def test_eval_video_mp4_decodes_to_the_frame_count(gl: None, checkpoint: Path, tmp_path: Path) -> None:
     out = tmp_path / "teacher.mp4"
-    res = subprocess.run(ZCLAW + ["eval", str(checkpoint), "-n", "1", "--policy", "teacher", "--video", str(out),
-                                  "--frames", "12", "--size", "160x120", "--json"],
+    res = subprocess.run(ZCLAW + ["eval", str(checkpoint), "-n", "1", "--policy", "teacher",
+                                  "--video", str(out), "--frames", "12", "--size", "160x120", "--json"],
                          capture_output=True, text=True, timeout=120)
     assert res.returncode == 0, res.stderr
     frames = frames_of(out)
@@ -80,8 +80,9 @@ def test_eval_video_gif_of_the_student(gl: None, checkpoint: Path, tmp_path: Pat
     from PIL import Image
 
     out = tmp_path / "student.gif"
-    res = subprocess.run(ZCLAW + ["eval", str(checkpoint), "-n", "1", "--policy", "student", "--video", str(out),
-                                  "--video-policy", "student", "--frames", "7", "--size", "96x64"],
+    res = subprocess.run(ZCLAW + ["eval", str(checkpoint), "-n", "1", "--policy", "student",
+                                  "--video", str(out), "--video-policy", "student", "--frames", "7",
+                                  "--size", "96x64"],
                          capture_output=True, text=True, timeout=120)
     assert res.returncode == 0, res.stderr
     assert "video:" in res.stdout
@@ -90,7 +91,8 @@ def test_eval_video_gif_of_the_student(gl: None, checkpoint: Path, tmp_path: Pat
         rgb = np.asarray(img.convert("RGB"))
         assert tuple(rgb[-1, 40]) == STUDENT_COLOUR
         # Pillow folds a frame identical to the one before into it (its duration adds up), so the clip's
-        # length, not its frame count, is what 7 frames at 30 fps must give (GIF delays count centiseconds: 30 ms)
+        # length, not its frame count, is what 7 frames at 30 fps must give (GIF delays count
+        # centiseconds: 30 ms)
         total = 0
         for i in range(img.n_frames):
             img.seek(i)
@@ -99,6 +101,7 @@ def test_eval_video_gif_of_the_student(gl: None, checkpoint: Path, tmp_path: Pat
 
 
 def test_eval_video_rejects_an_odd_size(checkpoint: Path, tmp_path: Path) -> None:
-    res = subprocess.run(ZCLAW + ["eval", str(checkpoint), "--video", str(tmp_path / "x.mp4"), "--size", "33x20"],
+    res = subprocess.run(ZCLAW + ["eval", str(checkpoint), "--video", str(tmp_path / "x.mp4"),
+                                  "--size", "33x20"],
                          capture_output=True, text=True, timeout=60)
     assert res.returncode == 2 and "--size = '33x20' is not allowed" in res.stderr

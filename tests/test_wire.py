@@ -28,7 +28,9 @@ def test_golden_files_decode_and_encoder_reproduces_them(kind: str) -> None:
     frames = load_golden(kind)
     msg = parse(frames)
     assert msg.kind == kind
-    assert golden.messages()[kind] == frames, "today's encoder no longer produces the pinned bytes of protocol v1"
+    assert golden.messages()[kind] == frames, (
+        "today's encoder no longer produces the pinned bytes of protocol v1"
+    )
 
 
 def test_golden_segment_contents_and_layout() -> None:
@@ -53,7 +55,8 @@ def test_parts_travel_one_frame_each_and_decode_stacked() -> None:
     parts = [np.full((3, 2), i, np.float32) for i in range(4)]
     frames = encode({"kind": "x"}, {"a": parts, "b": np.arange(3)})
     assert len(frames) == 1 + 4 + 1
-    assert all(np.shares_memory(np.frombuffer(f, np.float32), p) for f, p in zip(frames[1:5], parts))  # no copy
+    assert all(np.shares_memory(np.frombuffer(f, np.float32), p)
+               for f, p in zip(frames[1:5], parts))  # no copy
     msg = decode(frames)
     np.testing.assert_array_equal(msg.arrays["a"], np.stack(parts))
     np.testing.assert_array_equal(decode(unpack(pack(frames))).arrays["a"], np.stack(parts))
@@ -77,7 +80,8 @@ def test_bad_part_entries_are_wire_errors(entry: list, cause: str) -> None:
 
 
 def test_roundtrip_multipart_and_packed_are_equal() -> None:
-    arrays = {"a": np.arange(12, dtype=np.float32).reshape(3, 4), "b": np.array([True, False]), "e": np.zeros((0, 3))}
+    arrays = {"a": np.arange(12, dtype=np.float32).reshape(3, 4), "b": np.array([True, False]),
+              "e": np.zeros((0, 3))}
     frames = encode({"kind": "status"}, arrays)
     for form in (frames, [pack(frames)]):
         msg = decode(form)
@@ -120,8 +124,10 @@ def _with_header(frames: list, **changes: object) -> list:
          "bad_shape"),
         (lambda f: _with_header(f, arrays=[[a[0], a[1], [2.0] + a[2][1:]] for a in _header(f)["arrays"]]),
          "bad_shape"),
-        (lambda f: _with_header(f, arrays=[[a[0], a[1], [1 << 40]] for a in _header(f)["arrays"]]), "bad_shape"),
-        (lambda f: _with_header(f, arrays=[[a[0], a[1], [1] * 9] for a in _header(f)["arrays"]]), "bad_shape"),
+        (lambda f: _with_header(f, arrays=[[a[0], a[1], [1 << 40]] for a in _header(f)["arrays"]]),
+         "bad_shape"),
+        (lambda f: _with_header(f, arrays=[[a[0], a[1], [1] * 9] for a in _header(f)["arrays"]]),
+         "bad_shape"),
     ],
 )
 def test_malformed_messages_raise_wire_error_with_cause(mutate, cause: str) -> None:
@@ -167,8 +173,8 @@ def test_option_indices_are_bounded_by_the_most_options_a_policy_may_have() -> N
     from zclaw.wire.messages import MAX_OPTIONS
 
     assert SCHEMA["policy"]["options"].max == MAX_OPTIONS
-    for option, ok in ((0, True), (MAX_OPTIONS - 1, True), (MAX_OPTIONS, False), (1 << 15, False), (-1, False),
-                       (-(1 << 31), False)):
+    for option, ok in ((0, True), (MAX_OPTIONS - 1, True), (MAX_OPTIONS, False), (1 << 15, False),
+                       (-1, False), (-(1 << 31), False)):
         arrays = golden.segment_arrays()
         arrays["option"] = np.full_like(arrays["option"], option)
         msg = parse(make("segment", arrays, worker="w", seq=1, spec_hash=golden.SPEC.hash, episodes=[]))
@@ -199,7 +205,8 @@ def test_random_frames_only_ever_raise_wire_error(frames: list) -> None:
 @settings(max_examples=300, deadline=None)
 @given(st.data())
 def test_mutated_golden_messages_only_ever_raise_wire_error(data: st.DataObject) -> None:
-    frames = [bytearray(f) for f in load_golden(data.draw(st.sampled_from(["segment", "batch", "weights", "hello"])))]
+    frames = [bytearray(f)
+              for f in load_golden(data.draw(st.sampled_from(["segment", "batch", "weights", "hello"])))]
     i = data.draw(st.integers(0, len(frames) - 1))
     if frames[i]:
         j = data.draw(st.integers(0, len(frames[i]) - 1))

@@ -48,7 +48,8 @@ class StandInLearner:
     the newest published version every 100 ms (a SUB that joins late still gets it). The ROUTER also
     plays the broker's serve socket: it answers the worker's ``hello`` handshake with ``welcome``."""
 
-    def __init__(self, ctx: zmq.Context, spec: EnvSpec, version: int, pub_port: int = 0, router_port: int = 0) -> None:
+    def __init__(self, ctx: zmq.Context, spec: EnvSpec, version: int, pub_port: int = 0,
+                 router_port: int = 0) -> None:
         cfg = config.load()
         self.model = OptionPolicy(policy_config(cfg["policy"], spec))
         self.spec = spec
@@ -103,7 +104,8 @@ class WorkerProcess:
             sys.executable, "-m", "zclaw.cli", "worker", "--env", ENV, "--envs", str(N),
             "--set", f"worker.segment_length={T}", "--set", f"network.ingest_port={ingest}",
             "--set", f"network.publish_port={publish}", "--set", f"network.learner_port={learner}",
-            "--set", f"network.serve_port={learner}",  # the stand-in learner also answers the broker handshake
+            # the stand-in learner also answers the broker handshake
+            "--set", f"network.serve_port={learner}",
             "--set", "log.format=json", *extra,
         ]
         self.proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
@@ -217,7 +219,8 @@ def test_worker_hello_segments_and_versions(spec: EnvSpec) -> None:
             trunc = s.arrays["truncated"]
             # final_obs is given exactly for the truncated steps (Reacher truncates at 50 steps)
             assert M == int(trunc.sum())
-            assert sorted(map(tuple, s.arrays["final_at"].tolist())) == sorted(zip(*map(list, trunc.nonzero())))
+            assert (sorted(map(tuple, s.arrays["final_at"].tolist()))
+                    == sorted(zip(*map(list, trunc.nonzero()))))
             assert not s.arrays["terminated"].any()
             truncations += M
             episodes += s["episodes"]
@@ -250,7 +253,8 @@ def test_worker_gpu_missing_exits_nonzero() -> None:
 def test_worker_waits_then_backpressure_then_delivers_in_order(spec: EnvSpec) -> None:
     """No learner (nor broker handshake) yet: the worker waits (and says so). Learner but no broker ingest:
     it fills its bounded queue,
-    blocks and logs backpressure instead of growing. Broker appears: every queued segment arrives, in order."""
+    blocks and logs backpressure instead of growing. Broker appears: every queued segment
+    arrives, in order."""
     capacity = 3
     ingest = free_port()
     ctx = zmq.Context()

@@ -38,7 +38,8 @@ def _start_role(role: str, cfg: Dict[str, Dict[str, Any]]) -> Any:
 
 def config_options(fn: Any) -> Any:
     fn = click.option("--set", "overrides", multiple=True, metavar="SECTION.KEY=VALUE", help=_SET_HELP)(fn)
-    fn = click.option("--config", "config", type=click.Path(dir_okay=False), default=None, help=_CONFIG_HELP)(fn)
+    fn = click.option("--config", "config", type=click.Path(dir_okay=False), default=None,
+                      help=_CONFIG_HELP)(fn)
     return fn
 
 
@@ -47,8 +48,8 @@ def config_options(fn: Any) -> Any:
 def main() -> None:
     """zclaw: distributed asynchronous RL for robot arms, with option policies.
 
-    Start `zclaw train` for a one-machine run, or the three roles (`broker`, `learner`, `worker`) by hand on any
-    hosts; every role reads the same config file.
+    Start `zclaw train` for a one-machine run, or the three roles (`broker`, `learner`, `worker`) by hand on
+    any hosts; every role reads the same config file.
     """
 
 
@@ -59,7 +60,8 @@ def main() -> None:
 @click.option("--fresh", is_flag=True, help="Start with an empty store even if RUN_DIR holds a snapshot.")
 @click.option("--insecure", is_flag=True, default=None, help=_INSECURE_HELP)
 def broker(
-    config: Optional[str], overrides: Sequence[str], run_dir: Optional[str], fresh: bool, insecure: Optional[bool]
+    config: Optional[str], overrides: Sequence[str], run_dir: Optional[str], fresh: bool,
+    insecure: Optional[bool]
 ) -> None:
     """Run the broker: PULL segments from workers into the store, serve batches and status (ROUTER)."""
     cfg = _load(config, overrides, {"security.insecure": insecure})
@@ -71,13 +73,16 @@ def broker(
 
 @main.command()
 @config_options
-@click.option("--run-dir", type=click.Path(file_okay=False), required=True, help="Checkpoints and TensorBoard go here.")
-@click.option("--resume", is_flag=True, help="Continue from RUN_DIR's latest checkpoint (version counter continues).")
+@click.option("--run-dir", type=click.Path(file_okay=False), required=True,
+              help="Checkpoints and TensorBoard go here.")
+@click.option("--resume", is_flag=True,
+              help="Continue from RUN_DIR's latest checkpoint (version counter continues).")
 @click.option("--insecure", is_flag=True, default=None, help=_INSECURE_HELP)
 def learner(
     config: Optional[str], overrides: Sequence[str], run_dir: str, resume: bool, insecure: Optional[bool]
 ) -> None:
-    """Run the learner: request batches (Lazy Pirate), train, publish versioned weights (PUB + Clone snapshot)."""
+    """Run the learner: request batches (Lazy Pirate), train, publish versioned weights
+    (PUB + Clone snapshot)."""
     cfg = _load(config, overrides, {"security.insecure": insecure})
     from .learner.server import main as learner_main
 
@@ -93,8 +98,8 @@ def learner(
               help="Inference and GPU simulation on cuda:N; -1 for CPU (worker.gpu).")
 @click.option("--index", type=int, default=0, show_default=True, help="Worker index: seeds and identity.")
 def worker(
-    config: Optional[str], overrides: Sequence[str], env: Optional[str], envs: Optional[int], gpu: Optional[int],
-    index: int,
+    config: Optional[str], overrides: Sequence[str], env: Optional[str], envs: Optional[int],
+    gpu: Optional[int], index: int,
 ) -> None:
     """Run a worker: step envs with the newest weights, PUSH segments to the broker."""
     cfg = _load(config, overrides, {"run.env": env, "worker.envs": envs, "worker.gpu": gpu})
@@ -114,17 +119,21 @@ def worker(
 @main.command()
 @config_options
 @click.option("--env", default=None, help="Env id with backend prefix (run.env), e.g. gym:Pusher-v5.")
-@click.option("--steps", type=int, default=None, help="Stop after this many env steps (run.steps; 0: no limit).")
+@click.option("--steps", type=int, default=None,
+              help="Stop after this many env steps (run.steps; 0: no limit).")
 @click.option("--time", "time_s", type=float, default=None, help="Stop after this many seconds (run.time).")
 @click.option("--workers", type=int, default=None, help="Worker processes (run.workers).")
 @click.option("--run-dir", type=click.Path(file_okay=False), default=None,
               help="Run directory (run.run_dir; default runs/<start time>).")
 @click.option("--resume", is_flag=True,
-              help="Continue the run in --run-dir from its latest checkpoint, with its config unless --config is given.")
-@click.option("--insecure", is_flag=True, default=None, help=_INSECURE_HELP + " Only matters with network.bind_host.")
+              help="Continue the run in --run-dir from its latest checkpoint, with its config "
+                   "unless --config is given.")
+@click.option("--insecure", is_flag=True, default=None,
+              help=_INSECURE_HELP + " Only matters with network.bind_host.")
 def train(
     config: Optional[str], overrides: Sequence[str], env: Optional[str], steps: Optional[int],
-    time_s: Optional[float], workers: Optional[int], run_dir: Optional[str], resume: bool, insecure: Optional[bool],
+    time_s: Optional[float], workers: Optional[int], run_dir: Optional[str], resume: bool,
+    insecure: Optional[bool],
 ) -> None:
     """Train on one machine: broker, learner and workers as separate processes on loopback.
 
@@ -140,14 +149,16 @@ def train(
         if config is None and (Path(run_dir) / "config.toml").exists():
             config = str(Path(run_dir) / "config.toml")
     cfg = _load(config, overrides, {"run.env": env, "run.steps": steps, "run.time": time_s,
-                                    "run.workers": workers, "run.run_dir": run_dir, "security.insecure": insecure})
+                                    "run.workers": workers, "run.run_dir": run_dir,
+                                    "security.insecure": insecure})
     if not cfg["run"]["steps"] and not cfg["run"]["time"]:
         raise click.UsageError("give a stopping point: --steps N or --time SECONDS (run.steps / run.time)")
     from .security import Security
 
     try:  # refuse before any process starts: keys that do not load, or an unprotected non-loopback bind
         Security.from_config(cfg, "broker").check_bind(cfg["network"]["bind_host"] or "127.0.0.1")
-        for role, index in [("learner", 0), ("tools", 0)] + [("worker", i) for i in range(cfg["run"]["workers"])]:
+        for role, index in ([("learner", 0), ("tools", 0)]
+                            + [("worker", i) for i in range(cfg["run"]["workers"])]):
             Security.from_config(cfg, role, index)
     except config_mod.ConfigError as exc:
         raise click.UsageError(str(exc)) from None
@@ -179,9 +190,12 @@ def keys_group() -> None:
 
 @keys_group.command("generate")
 @click.argument("keys_dir", type=click.Path(file_okay=False))
-@click.option("--workers", type=int, default=2, show_default=True, help="Worker key pairs worker0..worker<N-1>.")
-@click.option("--client", "clients", multiple=True, metavar="NAME", help="An extra client key pair (repeatable).")
-@click.option("--force", is_flag=True, help="Replace keys that exist (hosts holding the old ones are locked out).")
+@click.option("--workers", type=int, default=2, show_default=True,
+              help="Worker key pairs worker0..worker<N-1>.")
+@click.option("--client", "clients", multiple=True, metavar="NAME",
+              help="An extra client key pair (repeatable).")
+@click.option("--force", is_flag=True,
+              help="Replace keys that exist (hosts holding the old ones are locked out).")
 def keys_generate(keys_dir: str, workers: int, clients: Sequence[str], force: bool) -> None:
     """Make key pairs for broker, learner, tools, the workers and extra clients in KEYS_DIR."""
     from .tools.keys import KeysError, default_names, describe, generate
@@ -222,7 +236,8 @@ def keys_add(keys_dir: str, names: Sequence[str], force: bool) -> None:
 @click.option("--run-dir", type=click.Path(file_okay=False, exists=True), default=None,
               help="Read the endpoints from RUN_DIR/config.toml (a `zclaw train` run picks free ports).")
 @click.option("--once", is_flag=True, help="Print the view once and exit.")
-@click.option("--json", "as_json", is_flag=True, help="Print both reports and the workers table as JSON, once.")
+@click.option("--json", "as_json", is_flag=True,
+              help="Print both reports and the workers table as JSON, once.")
 @click.option("--interval", type=float, default=2.0, show_default=True, help="Seconds between refreshes.")
 @click.option("--timeout", "timeout_ms", type=int, default=1500, show_default=True,
               help="Milliseconds to wait for each role's reply.")
@@ -238,7 +253,8 @@ def status(
 
     if run_dir is not None and config is None:
         if not (Path(run_dir) / "config.toml").exists():
-            raise click.UsageError(f"--run-dir {run_dir}: no config.toml there (is it a zclaw run directory?)")
+            raise click.UsageError(f"--run-dir {run_dir}: no config.toml there (is it a "
+                                   "zclaw run directory?)")
         config = str(Path(run_dir) / "config.toml")
     cfg = _load(config, overrides)
     b_default, l_default = status_mod.endpoints_from_config(cfg)
@@ -285,19 +301,21 @@ def _progress_enabled() -> bool:
 @click.argument("path", type=click.Path(exists=True))
 @click.option("--episodes", "-n", type=int, default=10, show_default=True, help="Episodes per policy (M).")
 @click.option("--seed", type=int, default=12345, show_default=True, help="Env seed of the first episode.")
-@click.option("--env", "env_id", default=None, help="Env id (default: the one the checkpoint was trained on).")
+@click.option("--env", "env_id", default=None,
+              help="Env id (default: the one the checkpoint was trained on).")
 @click.option("--policy", "which", type=click.Choice(["both", "teacher", "student"]), default="both",
               show_default=True, help="Which policies to run.")
 @click.option("--json", "as_json", is_flag=True, help="Print the report as JSON.")
 @click.option("--video", type=click.Path(dir_okay=False), default=None,
               help="Also render an MP4 (GIF without ffmpeg) of the teacher, option colour-coded.")
-@click.option("--video-policy", type=click.Choice(["teacher", "student"]), default="teacher", show_default=True)
+@click.option("--video-policy", type=click.Choice(["teacher", "student"]), default="teacher",
+              show_default=True)
 @click.option("--frames", type=int, default=200, show_default=True, help="Frames in the video.")
 @click.option("--size", default="320x240", show_default=True, help="Video WIDTHxHEIGHT (even numbers).")
 @click.option("--fps", type=int, default=30, show_default=True)
 def eval_cmd(
-    path: str, episodes: int, seed: int, env_id: Optional[str], which: str, as_json: bool, video: Optional[str],
-    video_policy: str, frames: int, size: str, fps: int,
+    path: str, episodes: int, seed: int, env_id: Optional[str], which: str, as_json: bool,
+    video: Optional[str], video_policy: str, frames: int, size: str, fps: int,
 ) -> None:
     """Run the teacher (option policy) and the distilled student of RUN_DIR or CHECKPOINT.pt for M episodes.
 
@@ -316,7 +334,8 @@ def eval_cmd(
             if width < 16 or height < 16 or width % 2 or height % 2:
                 raise ValueError
         except ValueError:
-            raise click.UsageError(f"--size = {size!r} is not allowed: expected WIDTHxHEIGHT, even, >= 16") from None
+            raise click.UsageError(f"--size = {size!r} is not allowed: expected "
+                                   "WIDTHxHEIGHT, even, >= 16") from None
     from .fileio import finite_json
     from .learner.checkpoint import CheckpointError
     from .tools import evaluate as ev
@@ -347,7 +366,8 @@ def eval_cmd(
 @main.command()
 @click.argument("path", type=click.Path(exists=True))
 @click.argument("out", type=click.Path(dir_okay=False))
-@click.option("--no-clip", is_flag=True, help="Leave the student's mean unclipped (default: clip to action bounds).")
+@click.option("--no-clip", is_flag=True,
+              help="Leave the student's mean unclipped (default: clip to action bounds).")
 def export(path: str, out: str, no_clip: bool) -> None:
     """Write the distilled student of RUN_DIR or CHECKPOINT.pt as TorchScript (normaliser inside) to OUT."""
     from .learner.checkpoint import CheckpointError
@@ -356,11 +376,12 @@ def export(path: str, out: str, no_clip: bool) -> None:
 
     try:
         model, state = load_policy(Path(path))
-        meta = do_export(model, dict(state["spec"]), Path(out), clip=not no_clip, version=state.get("version"))
+        meta = do_export(model, dict(state["spec"]), Path(out), clip=not no_clip,
+                         version=state.get("version"))
     except (CheckpointError, ValueError, RuntimeError) as exc:
         raise click.ClickException(str(exc)) from None
-    click.echo(f"exported the student of {state.get('path')} (version {meta['version']}, {meta['env_id']}) to {out}: "
-               f"obs [B, {meta['obs_dim']}] -> action [B, {meta['act_dim']}]")
+    click.echo(f"exported the student of {state.get('path')} (version {meta['version']}, {meta['env_id']}) "
+               f"to {out}: obs [B, {meta['obs_dim']}] -> action [B, {meta['act_dim']}]")
 
 
 @main.command()

@@ -88,27 +88,32 @@ SCHEMA: Dict[str, Dict[str, Key]] = {
     },
     "network": {
         "broker_host": Key("127.0.0.1", "host the broker binds, and that others connect to"),
-        "ingest_port": Key(5555, "broker PULL port for worker segments and hellos (0: any free port)", min=0, max=65535),
+        "ingest_port": Key(5555, "broker PULL port for worker segments and hellos (0: any free port)",
+                           min=0, max=65535),
         "serve_port": Key(5556, "broker ROUTER port for batch and status requests", min=0, max=65535),
         "learner_host": Key("127.0.0.1", "host the learner binds, and that workers connect to"),
         "publish_port": Key(5557, "learner PUB port for weights", min=0, max=65535),
-        "learner_port": Key(5558, "learner ROUTER port for snapshot (Clone) and status requests", min=0, max=65535),
+        "learner_port": Key(5558, "learner ROUTER port for snapshot (Clone) and status requests",
+                            min=0, max=65535),
         "max_message_mb": Key(256, "receive size cap on every socket, in MiB (ZMQ_MAXMSGSIZE)", min=1),
-        "request_timeout_ms": Key(3000, "Lazy Pirate: wait this long for a reply before reconnecting", min=10),
+        "request_timeout_ms": Key(3000, "Lazy Pirate: wait this long for a reply before reconnecting",
+                                  min=10),
         "bind_host": Key("", "address servers bind (empty: the host they are reached at)"),
     },
     "worker": {
         "envs": Key(16, "environments stepped by each worker", min=1),
         "segment_length": Key(64, "steps T per segment (a segment holds T x envs transitions)", min=1),
-        "send_queue": Key(8, "segments a worker holds while the broker is slow or gone (backpressure)", min=1),
-        "gpu": Key(-1, "device of inference and of GPU simulators: -1 for CPU, N for cuda:N (isaacgym: sim device, "
-                   "rl device and graphics device id N)", min=-1),
+        "send_queue": Key(8, "segments a worker holds while the broker is slow or gone (backpressure)",
+                          min=1),
+        "gpu": Key(-1, "device of inference and of GPU simulators: -1 for CPU, N for cuda:N (isaacgym: sim "
+                   "device, rl device and graphics device id N)", min=-1),
         "threads": Key(1, "torch CPU threads per worker", min=1),
         "vectorize": Key(
-            "loop", "gym: backend: step the envs in a loop in the worker, or in subprocesses (slow envs such as "
-            "Fetch and ShadowHand, ~1k steps/s per core)", choices=("loop", "subprocess"),
+            "loop", "gym: backend: step the envs in a loop in the worker, or in subprocesses (slow envs such "
+            "as Fetch and ShadowHand, ~1k steps/s per core)", choices=("loop", "subprocess"),
         ),
-        "env_processes": Key(0, "subprocesses for worker.vectorize = subprocess (0: one per CPU core, at most envs)",
+        "env_processes": Key(0, "subprocesses for worker.vectorize = subprocess (0: one per "
+                             "CPU core, at most envs)",
                              min=0),
     },
     "broker": {
@@ -117,31 +122,34 @@ SCHEMA: Dict[str, Dict[str, Key]] = {
         "min_size": Key(1, "segments stored before the first batch is served", min=1),
         "max_reuse": Key(1, "times a segment may be sampled (0: unlimited; queue needs >= 1)", min=0),
         "when_full": Key(
-            "evict", "what a full store does when the next segment would overwrite one never sampled: evict it "
-            "(counted as evicted_unused; the learner always gets the freshest data, workers never wait) or wait "
-            "(stop reading segments until the learner samples: workers' send queues fill and they block, no env "
-            "step is thrown away and no broker CPU is spent on data nobody uses; the broker keeps reading while "
-            "the rate limiter would refuse the learner, so the two never wait for each other)",
+            "evict", "what a full store does when the next segment would overwrite one never sampled: evict "
+            "it (counted as evicted_unused; the learner always gets the freshest data, workers never wait) "
+            "or wait (stop reading segments until the learner samples: workers' send queues fill and they "
+            "block, no env step is thrown away and no broker CPU is spent on data nobody uses; the broker "
+            "keeps reading while the rate limiter would refuse the learner, so the two never "
+            "wait for each other)",
             choices=("evict", "wait"),
         ),
         "samples_per_insert": Key(0.0, "rate limit: segments sampled per segment inserted (0: off)", min=0),
         "spi_error_buffer": Key(8.0, "rate limit slack, in segments, around samples_per_insert", min=0),
-        "max_staleness": Key(-1, "drop segments older than this many policy versions at sample time (-1: off)", min=-1),
+        "max_staleness": Key(-1, "drop segments older than this many policy versions at "
+                             "sample time (-1: off)", min=-1),
         "priority_alpha": Key(0.6, "prioritized mode: priority exponent alpha", min=0, max=1),
         "priority_beta": Key(0.4, "prioritized mode: importance-weight exponent beta", min=0, max=1),
         "retry_ms": Key(20, "how long the broker tells a learner to wait when no batch is ready", min=1),
-        "snapshot_s": Key(30.0, "seconds between store snapshots in RUN_DIR/snapshots (written off the broker's "
-                          "loop, see snapshot_mode, so ingest goes on; also on SIGTERM; needs --run-dir; 0: off). A broker crash loses at "
-                          "most this much ingest", min=0),
-        "snapshot_mode": Key("thread", "how periodic snapshots are written without stopping ingest: from a thread "
-                             "(the store's state is taken in the loop, by reference), or a forked child "
-                             "(copy-on-write)", choices=("thread", "fork")),
-        "option_balanced": Key(False, "queue/uniform modes: draw segments with weight sum_o n_o(seg) / n_o(store), "
-                               "so segments rich in rarely used options are sampled more"),
+        "snapshot_s": Key(30.0, "seconds between store snapshots in RUN_DIR/snapshots (written off the "
+                          "broker's loop, see snapshot_mode, so ingest goes on; also on SIGTERM; needs "
+                          "--run-dir; 0: off). A broker crash loses at most this much ingest", min=0),
+        "snapshot_mode": Key("thread", "how periodic snapshots are written without stopping ingest: from a "
+                             "thread (the store's state is taken in the loop, by reference), or a forked "
+                             "child (copy-on-write)", choices=("thread", "fork")),
+        "option_balanced": Key(False, "queue/uniform modes: draw segments with weight sum_o n_o(seg) / "
+                               "n_o(store), so segments rich in rarely used options are sampled more"),
     },
     "learner": {
         "batch_segments": Key(4, "segments per batch request", min=1),
-        "prefetch": Key(2, "batch requests kept in flight, so the next batch arrives while one trains (1: none)",
+        "prefetch": Key(2, "batch requests kept in flight, so the next batch arrives while "
+                        "one trains (1: none)",
                         min=1, max=16),
         "epochs": Key(4, "passes over each batch", min=1),
         "minibatches": Key(4, "minibatches per pass", min=1),
@@ -154,29 +162,32 @@ SCHEMA: Dict[str, Dict[str, Key]] = {
         "vf_coef": Key(0.5, "value loss coefficient", min=0),
         "ent_coef": Key(0.0, "entropy bonus coefficient", min=0),
         "max_grad_norm": Key(0.5, "gradient norm clip", min=0),
-        "target_kl": Key(0.05, "stop a batch's epochs once a minibatch's KL from the behaviour policy exceeds "
-                              "1.5 x this (0: off)", min=0),
+        "target_kl": Key(0.05, "stop a batch's epochs once a minibatch's KL from the behaviour policy "
+                         "exceeds 1.5 x this (0: off)", min=0),
         "checkpoint_s": Key(30.0, "seconds between checkpoints", min=1),
         "threads": Key(1, "torch CPU threads of the learner", min=1),
         "device": Key("cpu", "torch device of the learner (cpu, cuda, cuda:N)"),
         "tensorboard": Key(True, "write TensorBoard scalars under the run directory"),
         "mode": Key("dac", "option learning rule for K > 1: dac (PPO-clip on the call-and-return policy) or "
                     "ppoc (master policy gradient + termination loss)", choices=("dac", "ppoc")),
-        "master_coef": Key(1.0, "coefficient of the option-level policy loss (DAC high MDP, PPOC master)", min=0),
+        "master_coef": Key(1.0, "coefficient of the option-level policy loss (DAC high MDP, PPOC master)",
+                           min=0),
         "master_ent_coef": Key(0.01, "entropy bonus on the policy over options pi_Omega", min=0),
         "termination_coef": Key(0.5, "ppoc: coefficient of the termination loss", min=0),
         "termination_prior": Key(0.05, "K > 1: the termination rate beta_0 the prior pulls every termination "
                                  "logit toward (mean option duration ~ 1 / beta_0 steps)", min=1e-3, below=1),
         "termination_prior_coef": Key(0.5, "K > 1: coefficient of the termination prior "
-                                      "1/2 (logit beta_o(s) - logit beta_0)^2 (dac and ppoc); keeps one option from "
-                                      "never terminating while the others hand over at once; 0: off", min=0),
+                                      "1/2 (logit beta_o(s) - logit beta_0)^2 (dac and ppoc); keeps one "
+                                      "option from never terminating while the others hand "
+                                      "over at once; 0: off", min=0),
         "xi": Key(0.01, "ppoc: termination regulariser added to Q(s', o) - V(s') (favours longer options)"),
         "deliberation_cost": Key(0.0, "reward subtracted at every option switch that is not an episode start "
                                  "(Harb et al. 2018; K > 1)", min=0),
         "option_weights": Key(False, "weight intra-option loss terms so every option present in a batch has "
                               "equal total weight (from each option's share of the data)"),
         "option_max_weight": Key(10.0, "cap on a sample's per-option loss weight", min=1),
-        "student_lr": Key(1e-3, "Adam learning rate of the distilled student (its own optimiser; 0: off)", min=0),
+        "student_lr": Key(1e-3, "Adam learning rate of the distilled student (its own optimiser; 0: off)",
+                          min=0),
         "health_collapse_duration": Key(1.5, "warn when the mean option duration falls below this many steps "
                                         "(options terminating every step)", min=1),
         "health_dominant_share": Key(0.95, "warn when one option takes more than this share of the steps",
@@ -190,34 +201,38 @@ SCHEMA: Dict[str, Dict[str, Key]] = {
         "normalize_obs": Key(True, "running mean/variance observation normalisation"),
         "obs_clip": Key(10.0, "clip normalised observations to +-obs_clip", min=0),
         "option_epsilon": Key(0.3, "K > 1: epsilon of the epsilon-soft policy over options, "
-                              "pi_Omega(o|s) = (1 - eps) softmax(z(s))_o + eps / K, so every option is picked on at "
-                              "least eps / K of option choices and none is starved of data (Bacon et al. 2017's "
-                              "epsilon-greedy master, differentiable); workers sample from it and the learner trains "
-                              "it; 0: plain softmax; ignored for K = 1", min=0, below=1),
-        "option_residual": Key(True, "K > 1: each intra-option Gaussian is a shared one plus the option's own "
-                               "residual, mu_o(s) = mu(s) + delta_o(s) and log sigma_o = log sigma + delta_o, so every "
-                               "step trains the shared part and an option picked rarely still acts as well as the "
-                               "others instead of being abandoned untrained; false: K independent heads; ignored "
-                               "for K = 1"),
+                              "pi_Omega(o|s) = (1 - eps) softmax(z(s))_o + eps / K, so every option is "
+                              "picked on at least eps / K of option choices and none is starved of data "
+                              "(Bacon et al. 2017's epsilon-greedy master, differentiable); workers sample "
+                              "from it and the learner trains it; 0: plain softmax; ignored for K = 1",
+                              min=0, below=1),
+        "option_residual": Key(True, "K > 1: each intra-option Gaussian is a shared one plus the option's "
+                               "own residual, mu_o(s) = mu(s) + delta_o(s) and log sigma_o = log sigma + "
+                               "delta_o, so every step trains the shared part and an option picked rarely "
+                               "still acts as well as the others instead of being abandoned untrained; "
+                               "false: K independent heads; ignored for K = 1"),
     },
     "log": {
         "level": Key("info", "log level", choices=("debug", "info", "warning", "error")),
         "format": Key("auto", "console on a TTY, JSON lines otherwise", choices=("auto", "console", "json")),
         "status_s": Key(10.0, "seconds between status log lines of each role", min=0.1),
-        "metrics_s": Key(2.0, "seconds between the learner's lines in RUN_DIR/metrics.jsonl and its broker/worker "
-                         "TensorBoard scalars (0: off); `zclaw plot` reads metrics.jsonl", min=0),
+        "metrics_s": Key(2.0, "seconds between the learner's lines in RUN_DIR/metrics.jsonl and its "
+                         "broker/worker TensorBoard scalars (0: off); `zclaw plot` reads metrics.jsonl",
+                         min=0),
     },
     "security": {  # resolved per role by zclaw/security.py; docs/multihost.md explains the layout
         "keys_dir": Key("", "directory made by `zclaw keys generate`; set: CURVE encryption and the client "
                         "allowlist on every socket (each role picks its files by name)"),
         "name": Key("", "name of this process's client key pair (empty: learner, worker<index>, or tools for "
                     "status tools and the launcher)"),
-        "server_secret": Key("", "secret cert of this server (empty: KEYS_DIR/private/<broker|learner>.key_secret)"),
-        "client_secret": Key("", "secret cert this process connects with (empty: KEYS_DIR/private/<name>.key_secret)"),
+        "server_secret": Key("", "secret cert of this server (empty: "
+                             "KEYS_DIR/private/<broker|learner>.key_secret)"),
+        "client_secret": Key("", "secret cert this process connects with (empty: "
+                             "KEYS_DIR/private/<name>.key_secret)"),
         "broker_public": Key("", "public cert of the broker (empty: KEYS_DIR/servers/broker.key)"),
         "learner_public": Key("", "public cert of the learner (empty: KEYS_DIR/servers/learner.key)"),
-        "allowed_clients": Key("", "directory of client public certs the servers admit (empty: KEYS_DIR/allowed); "
-                               "read at start"),
+        "allowed_clients": Key("", "directory of client public certs the servers admit (empty: "
+                               "KEYS_DIR/allowed); read at start"),
         "insecure": Key(False, "allow binding beyond loopback without CURVE (`--insecure`); logs a warning"),
     },
 }
@@ -226,25 +241,30 @@ SCHEMA: Dict[str, Dict[str, Key]] = {
 def _validate_hidden(cfg: Dict[str, Dict[str, Any]]) -> None:
     hidden = cfg["policy"]["hidden"]
     if not hidden or not all(isinstance(h, int) and not isinstance(h, bool) and h > 0 for h in hidden):
-        raise ConfigError(f"config key policy.hidden = {hidden!r} is not allowed: expected a list of positive integers")
+        raise ConfigError(f"config key policy.hidden = {hidden!r} is not allowed: expected a list "
+                          "of positive integers")
 
 
 def _validate_cross(cfg: Dict[str, Dict[str, Any]]) -> None:
     """Refuse configurations that can never serve a batch (they would deadlock, not fail)."""
     b, L = cfg["broker"], cfg["learner"]
     if b["min_size"] > b["capacity"]:
-        raise ConfigError(f"broker.min_size = {b['min_size']} exceeds broker.capacity = {b['capacity']}: never serves")
+        raise ConfigError(f"broker.min_size = {b['min_size']} exceeds broker.capacity = "
+                          f"{b['capacity']}: never serves")
     if L["batch_segments"] > b["capacity"]:
         raise ConfigError(
-            f"learner.batch_segments = {L['batch_segments']} exceeds broker.capacity = {b['capacity']}: never serves"
+            f"learner.batch_segments = {L['batch_segments']} exceeds broker.capacity = "
+            f"{b['capacity']}: never serves"
         )
     if b["mode"] == "queue" and b["max_reuse"] == 0:
         raise ConfigError("broker.max_reuse = 0 (unlimited) is not allowed in queue mode: expected >= 1")
     if b["samples_per_insert"] > 0 and b["spi_error_buffer"] < 1:
-        raise ConfigError("broker.spi_error_buffer must be >= 1 when samples_per_insert is on, or nothing is served")
+        raise ConfigError("broker.spi_error_buffer must be >= 1 when samples_per_insert is on, "
+                          "or nothing is served")
     env = cfg["run"]["env"]
     if ":" not in env:
-        raise ConfigError(f"config key run.env = {env!r} is not allowed: expected <backend>:<id>, e.g. gym:Reacher-v5")
+        raise ConfigError(f"config key run.env = {env!r} is not allowed: expected "
+                          "<backend>:<id>, e.g. gym:Reacher-v5")
 
 
 VALIDATORS: List[Callable[[Dict[str, Dict[str, Any]]], None]] = [_validate_hidden, _validate_cross]
@@ -262,7 +282,8 @@ def _merge(cfg: Dict[str, Dict[str, Any]], data: Mapping[str, Any], origin: str)
             raise ConfigError(f"{origin}: [{sec}] must be a table")
         for k, v in values.items():
             if k not in SCHEMA[sec]:
-                raise ConfigError(f"{origin}: unknown key {sec}.{k}; keys of [{sec}]: {', '.join(SCHEMA[sec])}")
+                raise ConfigError(f"{origin}: unknown key {sec}.{k}; keys of [{sec}]: "
+                                  f"{', '.join(SCHEMA[sec])}")
             cfg[sec][k] = SCHEMA[sec][k].check(f"{sec}.{k}", v)
 
 
@@ -335,13 +356,17 @@ def to_toml(cfg: Mapping[str, Mapping[str, Any]]) -> str:
 
 
 def reference_markdown() -> str:
-    """``docs/configuration.md``: every key of the schema with its default, what is allowed and its meaning."""
+    """``docs/configuration.md``: every key of the schema with its default, what is
+    allowed and its meaning."""
     out = [
         "# Configuration reference",
         "",
-        "Generated from `zclaw/config.py` by `zclaw config docs > docs/configuration.md`; a test fails when this",
-        "file and the schema disagree. Values come from the defaults below, then `--config FILE` (TOML), then",
-        "`--set section.key=value` (repeatable), then a command's own flags. Unknown keys and values that are not",
+        "Generated from `zclaw/config.py` by `zclaw config docs > docs/configuration.md`; a "
+        "test fails when this",
+        "file and the schema disagree. Values come from the defaults below, then "
+        "`--config FILE` (TOML), then",
+        "`--set section.key=value` (repeatable), then a command's own flags. Unknown keys "
+        "and values that are not",
         "allowed are rejected with the key named.",
         "",
     ]

@@ -46,7 +46,8 @@ def _set_pdeathsig() -> None:  # runs in the child between fork and exec
 
 
 def stop_processes(procs: Sequence[subprocess.Popen], timeout: float) -> List[Optional[int]]:
-    """SIGTERM every live process at once, wait up to ``timeout`` for each, SIGKILL what is left; exit codes."""
+    """SIGTERM every live process at once, wait up to ``timeout`` for each, SIGKILL what is
+    left; exit codes."""
     for p in procs:
         if p.poll() is None:
             p.send_signal(signal.SIGTERM)
@@ -148,7 +149,8 @@ def session_steps(broker: Optional[Dict[str, Any]]) -> int:
 
 
 def summarise(
-    broker: Optional[Dict[str, Any]], learner: Optional[Dict[str, Any]], wall_s: float, previous: Dict[str, Any]
+    broker: Optional[Dict[str, Any]], learner: Optional[Dict[str, Any]], wall_s: float,
+    previous: Dict[str, Any]
 ) -> Dict[str, Any]:
     """The figures of ``summary.json`` from the last status reports of broker and learner."""
     b, L = broker or {}, learner or {}
@@ -195,7 +197,8 @@ def _fmt(v: Any) -> str:
 
 
 def train(
-    cfg: Dict[str, Dict[str, Any]], run_dir: Path, resume: bool = False, echo: Any = print, progress: bool = True
+    cfg: Dict[str, Dict[str, Any]], run_dir: Path, resume: bool = False, echo: Any = print,
+    progress: bool = True
 ) -> int:
     """Run broker, learner and workers until ``run.steps`` or ``run.time``; write ``summary.json``."""
     previous: Dict[str, Any] = {}
@@ -213,11 +216,13 @@ def train(
     broker_args = ["--run-dir", str(run_dir)] + ([] if resume else ["--fresh"])
     children = [Child("broker", base + ["broker"] + common + broker_args, logs / "broker.log")]
     children.append(
-        Child("learner", base + ["learner"] + common + ["--run-dir", str(run_dir)] + (["--resume"] if resume else []),
+        Child("learner",
+              base + ["learner"] + common + ["--run-dir", str(run_dir)] + (["--resume"] if resume else []),
               logs / "learner.log")
     )
     for i in range(cfg["run"]["workers"]):
-        children.append(Child(f"worker{i}", base + ["worker"] + common + ["--index", str(i)], logs / f"worker{i}.log"))
+        children.append(Child(f"worker{i}", base + ["worker"] + common + ["--index", str(i)],
+                              logs / f"worker{i}.log"))
 
     steps_goal, time_goal = cfg["run"]["steps"], cfg["run"]["time"]
     ctx = zmq.Context()
@@ -232,8 +237,8 @@ def train(
     b_rep: Optional[Dict[str, Any]] = None
     l_rep: Optional[Dict[str, Any]] = None
     failure: Optional[str] = None
-    echo(f"zclaw train: {cfg['run']['env']}, {cfg['run']['workers']} worker(s) x {cfg['worker']['envs']} envs, "
-         f"run dir {run_dir}")
+    echo(f"zclaw train: {cfg['run']['env']}, {cfg['run']['workers']} worker(s) x {cfg['worker']['envs']} "
+         f"envs, run dir {run_dir}")
     try:
         for c in children:
             c.start()
@@ -243,14 +248,16 @@ def train(
             time.sleep(0.5)
             for c in children:
                 if not c.alive():
-                    refused = c.proc.returncode == EXIT_REFUSED  # another spec/protocol: a restart cannot help
+                    # another spec/protocol: a restart cannot help
+                    refused = c.proc.returncode == EXIT_REFUSED
                     if c.name.startswith("worker") and c.restarts < 3 and not refused:
-                        echo(f"warning: {c.name} exited with {c.proc.returncode}; restarting it\n{c.log_tail(5)}")
+                        echo(f"warning: {c.name} exited with {c.proc.returncode}; "
+                             f"restarting it\n{c.log_tail(5)}")
                         c.restarts += 1
                         c.start()
                     else:
-                        failure = f"{c.name} exited with code {c.proc.returncode}; last lines of {c.log_path}:\n" + \
-                            c.log_tail()
+                        failure = (f"{c.name} exited with code {c.proc.returncode}; "
+                                   f"last lines of {c.log_path}:\n" + c.log_tail())
                         break
             if failure:
                 break

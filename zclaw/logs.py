@@ -22,7 +22,8 @@ def setup(role: str, level: str = "info", fmt: str = "auto", stream: Any = None)
     """Configure structlog for this process and return a logger bound to ``role``."""
     stream = stream or sys.stderr
     use_console = fmt == "console" or (fmt == "auto" and hasattr(stream, "isatty") and stream.isatty())
-    renderer = structlog.dev.ConsoleRenderer(colors=True) if use_console else structlog.processors.JSONRenderer()
+    renderer = (structlog.dev.ConsoleRenderer(colors=True) if use_console
+                else structlog.processors.JSONRenderer())
     structlog.configure(
         processors=[
             structlog.contextvars.merge_contextvars,

@@ -36,7 +36,8 @@ SERVER_NAMES = ("broker", "learner")
 #: the client name of tools (status, the launcher) when ``security.name`` is empty
 TOOLS_NAME = "tools"
 #: keys whose value turns CURVE on
-_KEY_SETTINGS = ("keys_dir", "server_secret", "client_secret", "broker_public", "learner_public", "allowed_clients")
+_KEY_SETTINGS = ("keys_dir", "server_secret", "client_secret", "broker_public", "learner_public",
+                 "allowed_clients")
 #: what each role needs: does it bind, which servers does it connect to
 _ROLES: Dict[str, Any] = {
     "broker": (True, ()),
@@ -123,7 +124,8 @@ class Security:
     ) -> "Security":
         """The settings of ``role`` (broker, learner, worker, tools); ``index`` names worker<index>."""
         sec = cfg.get("security") or {}
-        name = sec.get("name") or (f"worker{index}" if role == "worker" else TOOLS_NAME if role == "tools" else role)
+        name = sec.get("name") or (f"worker{index}" if role == "worker"
+                                   else TOOLS_NAME if role == "tools" else role)
         return cls(sec, role, name, log)
 
     # -- resolution ------------------------------------------------------------------------------------
@@ -163,8 +165,8 @@ class Security:
         elif keys_dir:
             adir, origin = Path(keys_dir) / ALLOWED_DIR, f"from security.keys_dir = {keys_dir!r}"
         else:
-            raise ConfigError("security.allowed_clients is not set and security.keys_dir is empty, but CURVE is on: "
-                              "a server needs the directory of the client public certs it admits")
+            raise ConfigError("security.allowed_clients is not set and security.keys_dir is empty, but CURVE "
+                              "is on: a server needs the directory of the client public certs it admits")
         if not adir.is_dir():
             raise ConfigError(f"security.allowed_clients: {adir} is not a directory ({origin})")
         certs = sorted(adir.glob("*.key"))
@@ -179,7 +181,8 @@ class Security:
         if server not in SERVER_NAMES:
             raise ValueError(f"server {server!r}: expected one of {', '.join(SERVER_NAMES)}")
         if server not in self._server_publics:
-            self._server_publics[server] = self._resolve(f"{server}_public", server, secret=False, server=True)
+            self._server_publics[server] = self._resolve(f"{server}_public", server, secret=False,
+                                                         server=True)
         return self._server_publics[server]
 
     def summary(self) -> Dict[str, Any]:
@@ -212,8 +215,9 @@ class Security:
         if self.insecure:
             if self.log is not None:
                 self.log.warning(
-                    "binding beyond loopback WITHOUT encryption or client authentication (--insecure): anyone "
-                    "who reaches these ports can send data and read weights", bind_host=host, role=self.role)
+                    "binding beyond loopback WITHOUT encryption or client authentication (--insecure): "
+                    "anyone who reaches these ports can send data and read weights", bind_host=host,
+                    role=self.role)
             return
         raise ConfigError(
             f"refusing to bind the {self.role} on {host!r}, beyond loopback, without CURVE keys: set "

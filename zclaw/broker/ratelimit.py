@@ -7,8 +7,9 @@ is the knob that fixes data reuse regardless of the speed of either side.
 
 Unlike Reverb, the limiter here only ever holds back the *sampler*: inserts are governed by the
 store's ``broker.when_full`` instead (``evict`` the oldest segment, or ``wait``: stop reading ingest
-while the learner could still sample, see :meth:`zclaw.broker.server.Broker.accepting`). It also never blocks: :meth:`SampleToInsertRatio.can_sample` answers at once, and the broker
-turns a refusal into a ``retry`` reply ("not yet, ask again in N ms").
+while the learner could still sample, see
+:meth:`zclaw.broker.server.Broker.accepting`). It also never blocks: :meth:`SampleToInsertRatio.can_sample`
+answers at once, and the broker turns a refusal into a ``retry`` reply ("not yet, ask again in N ms").
 """
 from __future__ import annotations
 
@@ -41,8 +42,8 @@ class SampleToInsertRatio:
     * ``samples_per_insert > 0`` with ``error_buffer < 1``. Reverb refuses buffers smaller than
       ``max(1, samples_per_insert)`` because there inserts block too, and such a buffer can block
       both sides against each other for good. Inserts never block while the sampler is refused here, so
-      the counts always move and no setting deadlocks outright; but with less than one segment of slack the limiter is a
-      barrier rather than a buffer (each request waits for the one insert that lets
+      the counts always move and no setting deadlocks outright; but with less than one segment of slack the
+      limiter is a barrier rather than a buffer (each request waits for the one insert that lets
       ``inserts * samples_per_insert`` catch up), which is never what a user wants. ``zclaw.config``
       refuses the same combination, so a config that loads never trips this.
     """

@@ -240,9 +240,10 @@ class Broker:
 
         With ``when_full = "wait"`` the broker stops reading while the next insert would evict a
         segment that was never sampled, as long as the learner can still make progress (the rate
-        limiter would let it sample a batch of the size it last asked for). Unread segments wait in the PULL socket
-        and the workers' send queues, whose backpressure blocks the workers: flow control from the
-        learner back to the env loop, instead of work thrown away at the broker.
+        limiter would let it sample a batch of the size it last asked
+        for). Unread segments wait in the PULL socket and the workers' send queues, whose backpressure blocks
+        the workers: flow control from the learner back to the env loop, instead of work
+        thrown away at the broker.
         """
         st = self.store
         return not (self.wait_when_full and st is not None and st.next_insert_evicts_unused

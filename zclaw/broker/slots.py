@@ -46,7 +46,8 @@ class SlotRing:
     def _check(self, a: Any) -> np.ndarray:
         a = np.asarray(a)
         if a.dtype != self.dtype or a.shape != self.item_shape:
-            raise ValueError(f"slot array is {a.dtype}{list(a.shape)}, the ring holds {self.dtype}{list(self.item_shape)}")
+            raise ValueError(f"slot array is {a.dtype}{list(a.shape)}, the ring holds "
+                             f"{self.dtype}{list(self.item_shape)}")
         if not a.flags.writeable:  # already read-only: no need for a view of our own
             return a
         view = a.view()

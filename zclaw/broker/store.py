@@ -70,8 +70,9 @@ class SampledBatch:
 
     ``parts`` holds, per field of ``SEGMENT_ARRAYS``, the B segments' arrays by reference (the
     store's read-only received buffers, never written: see ``zclaw.broker.slots``), which the broker
-    sends as they are, one frame per segment, for fields large enough to gain from it (:meth:`wire_arrays`); ``extra`` holds ``final_obs`` ``[M, *obs_shape]`` with
-    ``final_at`` rows ``(b, t, n)`` and ``is_weight[B]`` (see ``zclaw.wire.messages.BATCH_EXTRA``).
+    sends as they are, one frame per segment, for fields large enough to gain from it (:meth:`wire_arrays`);
+    ``extra`` holds ``final_obs`` ``[M, *obs_shape]`` with ``final_at`` rows ``(b, t, n)`` and
+    ``is_weight[B]`` (see ``zclaw.wire.messages.BATCH_EXTRA``).
     :attr:`arrays` is the stacked batch layout the learner decodes. ``episodes`` holds the episode
     stats of the segments sampled here for the first time only, so a learner counting them sees
     each episode once whatever ``max_reuse`` is.
@@ -233,7 +234,8 @@ class Store:
         slots = np.flatnonzero(self._key >= 0)
         arrays: Dict[str, np.ndarray] = {"slot": slots, "key": self._key[slots], "uses": self._uses[slots],
                                          "min_version": self._min_version[slots]}
-        for name, data in self._data.items():  # slots by reference: no copy of the store (empty: a typed array)
+        # slots by reference: no copy of the store (empty: a typed array)
+        for name, data in self._data.items():
             arrays["data." + name] = data.parts(slots) if len(slots) else data[slots]
         counts = [0 if self._final_at[s] is None else len(self._final_at[s]) for s in slots]
         arrays["final_count"] = np.asarray(counts, dtype=np.int64)

@@ -33,7 +33,8 @@ class DeviceEpisodes:
         self.len.zero_()
 
     def step(self, reward: torch.Tensor, done: torch.Tensor, success: Optional[torch.Tensor] = None) -> None:
-        """Add one step's ``reward`` [N]; envs where ``done`` [N] bool end their episode (with ``success``)."""
+        """Add one step's ``reward`` [N]; envs where ``done`` [N] bool end their episode
+        (with ``success``)."""
         self.ret += reward
         self.len += 1
         self._pending.append((done.clone(), self.ret.clone(), self.len.clone(),

@@ -94,7 +94,8 @@ def flattener(space: spaces.Space) -> Flattener:
 
 
 def make_one(name: str, **kwargs: Any) -> gym.Env:
-    """``gym.make(name, **kwargs)`` with robotics ids prepared and clear errors (the worker and the video tool)."""
+    """``gym.make(name, **kwargs)`` with robotics ids prepared and clear errors (the worker
+    and the video tool)."""
     robotics.prepare(name)  # registers gymnasium-robotics ids, patches its mujoco>=3.12 enum comparison
     try:
         return gym.make(name, **kwargs)
@@ -103,9 +104,11 @@ def make_one(name: str, **kwargs: Any) -> gym.Env:
             f"gym env {name!r} needs a package that is not installed ({exc}); "
             "for MuJoCo tasks install it with: pip install 'gymnasium[mujoco]>=1.0'"
         ) from exc
-    except gym_error.Error as exc:  # NameNotFound, VersionNotFound, NamespaceNotFound, DeprecatedEnv, malformed
+    # NameNotFound, VersionNotFound, NamespaceNotFound, DeprecatedEnv, malformed
+    except gym_error.Error as exc:
         raise ValueError(
-            f"unknown gym env id {name!r}: {exc} (Fetch and ShadowHand ids need: pip install 'zclaw[robotics]')"
+            f"unknown gym env id {name!r}: {exc} (Fetch and ShadowHand ids need: pip "
+            "install 'zclaw[robotics]')"
         ) from exc
 
 
@@ -127,12 +130,14 @@ class GymBatchedEnv:
             act_space = env0.action_space
             if not isinstance(act_space, spaces.Box):
                 raise ValueError(
-                    f"gym env {name!r} has action space {act_space}; zclaw supports only Box (continuous) actions"
+                    f"gym env {name!r} has action space {act_space}; zclaw supports only Box "
+                    "(continuous) actions"
                 )
             low = np.asarray(act_space.low, dtype=np.float64).reshape(-1)
             high = np.asarray(act_space.high, dtype=np.float64).reshape(-1)
             if not (np.isfinite(low).all() and np.isfinite(high).all()):
-                raise ValueError(f"gym env {name!r} has unbounded actions {act_space}; zclaw needs finite bounds")
+                raise ValueError(f"gym env {name!r} has unbounded actions {act_space}; "
+                                 "zclaw needs finite bounds")
         except BaseException:
             self.close()
             raise
@@ -158,7 +163,8 @@ class GymBatchedEnv:
 
     # ------------------------------------------------------------------------------------------ API
     def reset(self, seed: Optional[int] = None) -> torch.Tensor:
-        """Reset every env; env i is seeded ``seed + i`` (default: the constructor's seed on the first reset)."""
+        """Reset every env; env i is seeded ``seed + i`` (default: the constructor's seed on
+        the first reset)."""
         if seed is None and not self._seeded:
             seed = self.seed
         for i, env in enumerate(self.envs):
@@ -180,7 +186,8 @@ class GymBatchedEnv:
             raise RuntimeError("GymBatchedEnv.step called before reset()")
         want = (self.num_envs,) + self.spec.action_shape
         if tuple(action.shape) != want:
-            raise ValueError(f"action has shape {list(action.shape)}, expected {list(want)} (one row per env)")
+            raise ValueError(f"action has shape {list(action.shape)}, expected "
+                             f"{list(want)} (one row per env)")
         acts = action.detach().to("cpu", torch.float32).numpy()
         final_obs: Dict[int, torch.Tensor] = {}
         episodes: List[Dict[str, Any]] = []
@@ -228,4 +235,5 @@ class GymBatchedEnv:
         return t if self.device.type == "cpu" else t.to(self.device)
 
     def __repr__(self) -> str:
-        return f"GymBatchedEnv({self.name!r}, num_envs={self.num_envs}, seed={self.seed}, device={self.device})"
+        return (f"GymBatchedEnv({self.name!r}, num_envs={self.num_envs}, seed={self.seed}, "
+                f"device={self.device})")

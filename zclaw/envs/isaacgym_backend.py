@@ -64,7 +64,8 @@ def _box_bounds(space: Any, what: str) -> Tuple[Tuple[int, ...], List[float], Li
 class IsaacGymBatchedEnv:
     """One IsaacGymEnvs task with ``num_envs`` envs; see the module docstring for the mapping."""
 
-    def __init__(self, task_name: str, num_envs: int, seed: int, device: torch.device, headless: bool = True) -> None:
+    def __init__(self, task_name: str, num_envs: int, seed: int, device: torch.device,
+                 headless: bool = True) -> None:
         import isaacgym  # noqa: F401  (gymdeps; zclaw worker has imported it before torch already)
         import isaacgymenvs
 
@@ -84,7 +85,8 @@ class IsaacGymBatchedEnv:
             raise
         self.num_envs = int(self.task.num_envs)
         if self.num_envs != int(num_envs):
-            raise ValueError(f"isaacgym task {task_name!r} built {self.num_envs} envs, {num_envs} were asked for")
+            raise ValueError(f"isaacgym task {task_name!r} built {self.num_envs} envs, "
+                             f"{num_envs} were asked for")
         self.device = torch.device(rl_device)
         obs_shape, _, _ = _box_bounds(self.task.observation_space, "observation")
         act_shape, low, high = _box_bounds(self.task.action_space, "action")
@@ -110,7 +112,8 @@ class IsaacGymBatchedEnv:
             raise RuntimeError("IsaacGymBatchedEnv.step called before reset()")
         want = (self.num_envs,) + self.spec.action_shape
         if tuple(action.shape) != want:
-            raise ValueError(f"action has shape {list(action.shape)}, expected {list(want)} (one row per env)")
+            raise ValueError(f"action has shape {list(action.shape)}, expected "
+                             f"{list(want)} (one row per env)")
         if action.device != self.device:  # a host-side comparison: no transfer when the policy shares the GPU
             action = action.to(self.device)
         obs_dict, rew, reset, extras = self.task.step(action)
@@ -118,7 +121,8 @@ class IsaacGymBatchedEnv:
         reward = rew.reshape(self.num_envs).to(torch.float32)
         done = reset.reshape(self.num_envs) != 0
         time_outs = extras.get("time_outs") if isinstance(extras, dict) else None
-        truncated = done & (time_outs.reshape(self.num_envs) != 0) if time_outs is not None else self._no_trunc
+        truncated = (done & (time_outs.reshape(self.num_envs) != 0) if time_outs is not None
+                     else self._no_trunc)
         terminated = done & ~truncated
         success = None
         for key in SUCCESS_KEYS:
@@ -127,7 +131,8 @@ class IsaacGymBatchedEnv:
                 success = value.reshape(self.num_envs) != 0
                 break
         self._episodes.step(reward, done, success)
-        info = {k: v for k, v in extras.items() if torch.is_tensor(v) and k != "time_outs"} if extras else None
+        info = ({k: v for k, v in extras.items() if torch.is_tensor(v) and k != "time_outs"}
+                if extras else None)
         return StepResult(
             obs=obs, reward=reward, terminated=terminated, truncated=truncated, final_obs=obs, episodes=[],
             info=info or None,

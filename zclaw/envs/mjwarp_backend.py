@@ -1,4 +1,5 @@
-"""The ``mjwarp:<Task>`` backend: MuJoCo Warp, thousands of worlds batched on one GPU, torch tensors zero-copy.
+"""The ``mjwarp:<Task>`` backend: MuJoCo Warp, thousands of worlds batched on one GPU,
+torch tensors zero-copy.
 
 One ``mujoco_warp`` model with ``nworld = N`` steps every world in the same kernels. The simulator's
 arrays (``qpos``, ``qvel``, ``ctrl``, ``site_xpos``) are viewed as torch tensors through
@@ -81,7 +82,8 @@ class ReachTask:
         return torch.rand(n, k, generator=self.gen, device=self.device) * (hi - lo) + lo
 
     def reset(self, mask: torch.Tensor, qpos: torch.Tensor, qvel: torch.Tensor) -> None:
-        """Re-draw pose, velocity and target of the worlds in ``mask`` ([N] bool), in place, without a sync."""
+        """Re-draw pose, velocity and target of the worlds in ``mask`` ([N] bool), in
+        place, without a sync."""
         n = self.N
         new_q = self._uniform(n, 3, -0.1, 0.1)
         new_q[:, 1] -= 0.3  # shoulder raised a little, so the arm does not start folded flat
@@ -89,7 +91,8 @@ class ReachTask:
         r = self._uniform(n, 1, 0.1, 0.35)
         yaw = self._uniform(n, 1, -math.pi, math.pi)
         pitch = self._uniform(n, 1, -math.pi / 3, math.pi / 3)
-        d = torch.cat([torch.cos(pitch) * torch.cos(yaw), torch.cos(pitch) * torch.sin(yaw), torch.sin(pitch)], -1)
+        d = torch.cat([torch.cos(pitch) * torch.cos(yaw), torch.cos(pitch) * torch.sin(yaw),
+                       torch.sin(pitch)], -1)
         new_t = self.origin + r * d
         m = mask.unsqueeze(-1)
         qpos.copy_(torch.where(m, new_q, qpos))
@@ -122,7 +125,8 @@ def warp_device(device: torch.device) -> str:
 class MjWarpBatchedEnv:
     """``num_envs`` worlds of one MuJoCo Warp task on ``device``; see the module docstring."""
 
-    def __init__(self, task_name: str, num_envs: int, seed: int, device: torch.device, graph: bool = True) -> None:
+    def __init__(self, task_name: str, num_envs: int, seed: int, device: torch.device,
+                 graph: bool = True) -> None:
         if task_name not in TASKS:
             raise ValueError(f"unknown mjwarp task {task_name!r}; known tasks: {', '.join(sorted(TASKS))}")
         if num_envs < 1:
@@ -223,7 +227,8 @@ class MjWarpBatchedEnv:
             raise RuntimeError("MjWarpBatchedEnv.step called before reset()")
         want = (self.num_envs,) + self.spec.action_shape
         if tuple(action.shape) != want:
-            raise ValueError(f"action has shape {list(action.shape)}, expected {list(want)} (one row per env)")
+            raise ValueError(f"action has shape {list(action.shape)}, expected "
+                             f"{list(want)} (one row per env)")
         self.ctrl.copy_(action)
         self._launch(self._physics)
         tip = self._tip()

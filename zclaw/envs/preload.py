@@ -45,7 +45,8 @@ def preimport(env_id: str) -> None:
             importlib.import_module(name)
         except ImportError as exc:
             hint = (
-                " (torch was imported before it: start the worker with `zclaw worker`, which imports it first)"
+                " (torch was imported before it: start the worker with `zclaw worker`, "
+                "which imports it first)"
                 if torch_first else ""
             )
             raise BackendUnavailable(

@@ -47,7 +47,8 @@ BACKENDS: Dict[str, Backend] = {}
 
 
 def register_backend(prefix: str, factory: Factory, install: str, description: str = "") -> None:
-    """Make ``<prefix>:<id>`` env ids resolve to ``factory``; ``install`` is shown when its package is missing."""
+    """Make ``<prefix>:<id>`` env ids resolve to ``factory``; ``install`` is shown when its
+    package is missing."""
     if not prefix or ":" in prefix:
         raise ValueError(f"backend prefix {prefix!r} must be non-empty and contain no ':'")
     BACKENDS[prefix] = Backend(prefix, factory, install, description)
@@ -73,7 +74,8 @@ def _known() -> str:
 
 
 def make_env(env_id: str, num_envs: int, seed: int, device: torch.device, **options: Any) -> BatchedEnv:
-    """Build ``num_envs`` envs of ``env_id`` (``<backend>:<id>``), env i seeded ``seed + i``, tensors on ``device``.
+    """Build ``num_envs`` envs of ``env_id`` (``<backend>:<id>``), env i seeded ``seed + i``,
+    tensors on ``device``.
 
     ``options`` go to the backend's factory (e.g. ``vectorize="subprocess"`` for ``gym:``).
 
@@ -103,7 +105,8 @@ def _gym(name: str, num_envs: int, seed: int, device: torch.device, **options: A
     if vectorize == "subprocess":
         from .subproc import SubprocessBatchedEnv  # imports gymnasium in the children, and here for the spec
 
-        return SubprocessBatchedEnv(name, num_envs, seed, device, processes=int(options.get("env_processes", 0)))
+        return SubprocessBatchedEnv(name, num_envs, seed, device,
+                                    processes=int(options.get("env_processes", 0)))
     if vectorize != "loop":
         raise ValueError(f"worker.vectorize = {vectorize!r} is not allowed: expected 'loop' or 'subprocess'")
     from .gym_backend import GymBatchedEnv  # imports gymnasium; an ImportError becomes BackendUnavailable
@@ -126,7 +129,8 @@ def _mjwarp(name: str, num_envs: int, seed: int, device: torch.device, **options
 register_backend(
     "gym",
     _gym,
-    install="pip install 'gymnasium[mujoco]>=1.0' (Fetch and ShadowHand tasks: pip install 'zclaw[robotics]')",
+    install="pip install 'gymnasium[mujoco]>=1.0' (Fetch and ShadowHand tasks: pip "
+            "install 'zclaw[robotics]')",
     description="gymnasium envs (MuJoCo on CPU), N copies stepped in a loop or in subprocesses",
 )
 register_backend(

@@ -31,7 +31,8 @@ class _IntJointEnums(types.ModuleType):
         super().__init__(real.__name__)
         self._real = real
         self.mjtJoint = types.SimpleNamespace(
-            **{name: int(getattr(real.mjtJoint, name)) for name in dir(real.mjtJoint) if name.startswith("mjJNT_")}
+            **{name: int(getattr(real.mjtJoint, name))
+               for name in dir(real.mjtJoint) if name.startswith("mjJNT_")}
         )
 
     def __getattr__(self, name: str) -> Any:
@@ -48,7 +49,8 @@ def comparison_broken() -> bool:
 
 
 def patch_enum_comparison() -> bool:
-    """Make gymnasium-robotics' joint helpers work with this mujoco; True if a patch was needed. Idempotent."""
+    """Make gymnasium-robotics' joint helpers work with this mujoco; True if a patch was
+    needed. Idempotent."""
     global _PATCHED
     if _PATCHED:
         return True

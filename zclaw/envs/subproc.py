@@ -63,7 +63,8 @@ def _child(conn: Any, name: str, num_envs: int, seed: int) -> None:
 
 
 def split(num_envs: int, processes: int) -> List[Tuple[int, int]]:
-    """Contiguous ``(start, count)`` slices of ``num_envs`` over ``processes`` children, sizes differing by <= 1."""
+    """Contiguous ``(start, count)`` slices of ``num_envs`` over ``processes`` children, sizes
+    differing by <= 1."""
     base, extra = divmod(num_envs, processes)
     out, start = [], 0
     for k in range(processes):
@@ -107,11 +108,13 @@ class SubprocessBatchedEnv:
     def _recv(self, k: int) -> Any:
         conn, proc = self._conns[k], self._procs[k]
         if not conn.poll(ANSWER_S):
-            raise EnvProcessError(f"env subprocess {k} (pid {proc.pid}) did not answer within {ANSWER_S:.0f} s")
+            raise EnvProcessError(f"env subprocess {k} (pid {proc.pid}) did not answer "
+                                  f"within {ANSWER_S:.0f} s")
         try:
             kind, value = conn.recv()
         except EOFError:
-            raise EnvProcessError(f"env subprocess {k} (pid {proc.pid}) died (exit code {proc.exitcode})") from None
+            raise EnvProcessError(f"env subprocess {k} (pid {proc.pid}) died (exit "
+                                  f"code {proc.exitcode})") from None
         if kind == "error":
             if "unknown gym env id" in value or "ValueError" in value:
                 raise ValueError(f"env subprocess {k}: {value}")
@@ -130,7 +133,8 @@ class SubprocessBatchedEnv:
             raise RuntimeError("SubprocessBatchedEnv.step called before reset()")
         want = (self.num_envs,) + self.spec.action_shape
         if tuple(action.shape) != want:
-            raise ValueError(f"action has shape {list(action.shape)}, expected {list(want)} (one row per env)")
+            raise ValueError(f"action has shape {list(action.shape)}, expected "
+                             f"{list(want)} (one row per env)")
         acts = action.detach().to("cpu", torch.float32).numpy()
         for (start, n), conn in zip(self.slices, self._conns):
             conn.send(("step", np.ascontiguousarray(acts[start:start + n])))

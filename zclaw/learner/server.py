@@ -206,10 +206,11 @@ class Learner:
         if self.service.error:
             return self.service.error
         broker_at = tcp(self.net["broker_host"], int(self.net["serve_port"]))
-        client = dict(timeout_ms=int(self.net["request_timeout_ms"]), retries=None, max_message_bytes=max_bytes,
-                      log=self.log, curve=self.security.client("broker"))
+        client = dict(timeout_ms=int(self.net["request_timeout_ms"]), retries=None,
+                      max_message_bytes=max_bytes, log=self.log, curve=self.security.client("broker"))
         self.broker = LazyPirate(self.ctx, broker_at, **client)
-        self.broker_status = LazyPirate(self.ctx, broker_at, **dict(client, retries=0, timeout_ms=STATUS_TIMEOUT_MS))
+        self.broker_status = LazyPirate(self.ctx, broker_at,
+                                        **dict(client, retries=0, timeout_ms=STATUS_TIMEOUT_MS))
         self.batches = CreditPirate(self.ctx, broker_at, credit=int(self.lcfg["prefetch"]), **client)
         self._report(state="waiting for env spec")
         return None
@@ -252,7 +253,8 @@ class Learner:
             ckpt.check_compatible(state, spec.to_dict(), pcfg)
         self.spec = spec
         self.model = OptionPolicy(pcfg)
-        self.trainer = Trainer(self.model, self.lcfg, device, action_low=spec.action_low, action_high=spec.action_high)
+        self.trainer = Trainer(self.model, self.lcfg, device, action_low=spec.action_low,
+                               action_high=spec.action_high)
         if state is None:
             self.version = 0
         else:
@@ -401,7 +403,8 @@ class Learner:
                 last_status = now
             request = make("sample", batch_size=B, version=int(self.version), priority_keys=self.prio_keys,
                            priorities=self.prios)
-            self.prio_keys, self.prios = [], []  # each batch's priorities travel once (prefetch: 2 requests on)
+            # each batch's priorities travel once (prefetch: 2 requests on)
+            self.prio_keys, self.prios = [], []
             reply = self.batches.exchange(request, ("batch", "retry", "error"), stop=self.stop.is_set)
             if reply is None:
                 break  # stopped
@@ -440,7 +443,8 @@ class Learner:
         by-product and must not stop training.
         """
         try:
-            if ask_broker and self.broker_status is not None:  # a broker that does not answer: last report kept
+            # a broker that does not answer: last report kept
+            if ask_broker and self.broker_status is not None:
                 reply = self.broker_status.request(make("status"), ("status",), stop=self.stop.is_set)
                 if reply is not None and isinstance(reply.get("report"), dict):
                     self.broker_report = reply["report"]
@@ -546,8 +550,6 @@ class Learner:
             except Exception:  # tensorboard flush problems must not turn a clean exit into a crash
                 pass
         term_context(self.ctx)
-
-
 
 
 def main(cfg: Dict[str, Dict[str, Any]], log: Any, run_dir: Path, resume: bool) -> int:

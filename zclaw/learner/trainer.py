@@ -51,7 +51,8 @@ LOSS_KEYS = ("loss/policy", "loss/value", "loss/entropy", "loss/master", "loss/t
 
 
 class Trainer:
-    """Owns the optimiser of an :class:`OptionPolicy` (main and student parameter groups) and turns batches into updates."""
+    """Owns the optimiser of an :class:`OptionPolicy` (main and student parameter groups) and turns
+    batches into updates."""
 
     def __init__(
         self, model: OptionPolicy, learner_cfg: Mapping[str, Any], device: Any = "cpu",
@@ -72,9 +73,12 @@ class Trainer:
         self.mode = str(self.cfg.get("mode", "dac"))
         if self.mode not in ("dac", "ppoc"):
             raise ValueError(f"learner.mode = {self.mode!r} is not allowed: expected 'dac' or 'ppoc'")
-        self.low = torch.as_tensor(action_low, dtype=torch.float32, device=self.device) if action_low is not None else None
-        self.high = torch.as_tensor(action_high, dtype=torch.float32, device=self.device) if action_high is not None else None
-        self.health = OptionHealth(model.K, collapse_duration=float(self.cfg.get("health_collapse_duration", 1.5)),
+        self.low = (torch.as_tensor(action_low, dtype=torch.float32, device=self.device)
+                    if action_low is not None else None)
+        self.high = (torch.as_tensor(action_high, dtype=torch.float32, device=self.device)
+                     if action_high is not None else None)
+        self.health = OptionHealth(model.K,
+                                   collapse_duration=float(self.cfg.get("health_collapse_duration", 1.5)),
                                    dominant_share=float(self.cfg.get("health_dominant_share", 0.95)))
         self.skipped_steps = 0  # optimiser steps skipped because the loss or gradient was not finite
 
@@ -114,7 +118,8 @@ class Trainer:
         return q.gather(-1, option.unsqueeze(-1)).squeeze(-1)
 
     def _arrival_values(self, x: torch.Tensor, prev: torch.Tensor, ep_start: torch.Tensor) -> torch.Tensor:
-        """U(x, o_prev) = sum_o pi_hat(o|x, o_prev) Q(x, o): the value of arriving in x with o_prev running."""
+        """U(x, o_prev) = sum_o pi_hat(o|x, o_prev) Q(x, o): the value of arriving in x
+        with o_prev running."""
         if self.model.K == 1:
             return self._values(x, prev)
         pi_hat = self.model.call_and_return_logits(x, prev, ep_start).exp()
@@ -128,7 +133,8 @@ class Trainer:
         log_std = self.model.option_log_std()[option]
         return self.model.gaussian_logp(action, mean, log_std), log_std
 
-    def _logp_option(self, x: torch.Tensor, prev: torch.Tensor, ep_start: torch.Tensor, option: torch.Tensor) -> torch.Tensor:
+    def _logp_option(self, x: torch.Tensor, prev: torch.Tensor, ep_start: torch.Tensor,
+                     option: torch.Tensor) -> torch.Tensor:
         """log pi_hat(o_t | x_t, o_{t-1}) (0 for K = 1)."""
         logits = self.model.call_and_return_logits(x, prev, ep_start)
         return logits.gather(-1, option.unsqueeze(-1)).squeeze(-1)
@@ -145,7 +151,8 @@ class Trainer:
         :func:`~zclaw.policy.losses.episode_boundaries` and the deliberation cost), ``log_rhos``
         (both levels), ``log_rho_option``, ``vs``, ``q_ret``, ``adv`` (intra-option), ``adv_high``
         (DAC: q - V^H(s, o_prev)), ``adv_master`` (PPOC: q - V(s)), ``q_prev`` and ``v`` (PPOC's
-        termination inputs Q(x_t, o_{t-1}) and V(x_t), x_t being the s' of step t-1); plus ``lag`` (numpy [B, T]) and ``priorities`` [B].
+        termination inputs Q(x_t, o_{t-1}) and V(x_t), x_t being the s' of step t-1); plus ``lag`` (numpy
+        [B, T]) and ``priorities`` [B].
         """
         c = self.cfg
         a = batch.arrays
@@ -186,7 +193,8 @@ class Trainer:
         logp_pi, _ = self._logp(x[:T], option, action)
         log_rho_action = logp_pi - logp_mu
         if K > 1:
-            log_rho_option = torch.where(known, self._logp_option(x[:T], prev, ep_start, option) - logp_mu_option,
+            log_rho_option = torch.where(known,
+                                         self._logp_option(x[:T], prev, ep_start, option) - logp_mu_option,
                                          torch.zeros_like(logp_mu_option))
         else:
             log_rho_option = torch.zeros_like(log_rho_action)
@@ -200,7 +208,8 @@ class Trainer:
             fb, ft, fn = (torch.as_tensor(fa[:, i], device=self.device) for i in range(3))
             col = fb * N + fn
             fx = model.obs_norm(self._tensor(a["final_obs"]).reshape(-1, D))
-            final_values[ft, col] = self._arrival_values(fx, option[ft, col], torch.zeros_like(col, dtype=torch.bool))
+            final_values[ft, col] = self._arrival_values(fx, option[ft, col],
+                                                         torch.zeros_like(col, dtype=torch.bool))
         rewards, discounts = losses.episode_boundaries(reward, terminated, truncated, gamma, final_values)
 
         lam = float(c["lam"])
@@ -211,10 +220,11 @@ class Trainer:
         adv = losses.truncated_is(log_rho_action, rho_bar) * (q_ret - values)
         out: Dict[str, Any] = {
             "x": x, "action": action, "option": option, "prev_option": prev, "ep_start": ep_start,
-            "known": known, "option_start": option_start, "logp_mu": logp_mu, "logp_mu_option": logp_mu_option,
+            "known": known, "option_start": option_start, "logp_mu": logp_mu,
+            "logp_mu_option": logp_mu_option,
             "weight": weight, "values": values, "bootstrap": bootstrap, "final_values": final_values,
-            "rewards": rewards, "discounts": discounts, "log_rhos": log_rhos, "log_rho_option": log_rho_option,
-            "vs": vs, "q_ret": q_ret, "adv": adv, "lag": lag,
+            "rewards": rewards, "discounts": discounts, "log_rhos": log_rhos,
+            "log_rho_option": log_rho_option, "vs": vs, "q_ret": q_ret, "adv": adv, "lag": lag,
             "priorities": adv.abs().reshape(T, B, N).mean(dim=(0, 2)),
         }
         zeros = torch.zeros_like(values)
@@ -224,7 +234,8 @@ class Trainer:
             rho_joint = losses.truncated_is(log_rhos, rho_bar)
             if self.mode == "dac":
                 pi_hat = model.call_and_return_logits(x[:T], prev, ep_start).exp()
-                out["adv_high"] = rho_joint * (q_ret - losses.option_value(q_all, pi_hat))  # q - V^H(s, o_prev)
+                # q - V^H(s, o_prev)
+                out["adv_high"] = rho_joint * (q_ret - losses.option_value(q_all, pi_hat))
             else:
                 v = losses.option_value(q_all, model.master_probs(x[:T]))  # V(s), pi_Omega epsilon-soft
                 out["adv_master"] = rho_joint * (q_ret - v)
@@ -252,7 +263,8 @@ class Trainer:
         flat["x"] = p["x"][:T].reshape(S, model.cfg.obs_dim)
         flat["w"] = p["weight"].reshape(S)
         if K > 1 and bool(c.get("option_weights", False)):
-            flat["w_opt"] = losses.option_loss_weights(flat["option"], K, float(c.get("option_max_weight", 10.0)))
+            flat["w_opt"] = losses.option_loss_weights(flat["option"], K,
+                                                       float(c.get("option_max_weight", 10.0)))
         n_mb = max(1, min(int(c["minibatches"]), S))
         clip = float(c["clip"])
         rho_bar = float(c["rho_bar"])
@@ -271,7 +283,8 @@ class Trainer:
                 w_low = w * mb["w_opt"] if "w_opt" in mb else w
                 adv = losses.normalize(mb["adv"])
                 logp_new, log_std = self._logp(mb["x"], mb["option"], mb["action"])
-                with torch.no_grad():  # ratio to the behaviour policy before this step: the KL stop and metrics
+                # ratio to the behaviour policy before this step: the KL stop and metrics
+                with torch.no_grad():
                     log_ratio = logp_new - mb["logp_mu"]
                     ratio = log_ratio.exp()
                     kl = float(((ratio - 1) - log_ratio).mean())  # k3 estimator, >= 0
@@ -295,7 +308,8 @@ class Trainer:
                 loss.backward()
                 gn = torch.nn.utils.clip_grad_norm_(self.main_params, float(c["max_grad_norm"]))
                 terms["loss/student"] = self._student_loss(mb)  # its gradient reaches the student only
-                if not (torch.isfinite(loss) and torch.isfinite(gn) and torch.isfinite(terms["loss/student"])):
+                if not (torch.isfinite(loss) and torch.isfinite(gn)
+                        and torch.isfinite(terms["loss/student"])):
                     self.skipped_steps += 1  # one poisoned minibatch must not destroy the weights
                     self.optimizer.zero_grad(set_to_none=True)
                     continue
@@ -316,7 +330,8 @@ class Trainer:
         metrics["priorities"] = [float(v) for v in p["priorities"].cpu()]
         return metrics
 
-    def _option_terms(self, mb: Dict[str, torch.Tensor], clip: float, rho_bar: float) -> Dict[str, torch.Tensor]:
+    def _option_terms(self, mb: Dict[str, torch.Tensor], clip: float,
+                      rho_bar: float) -> Dict[str, torch.Tensor]:
         """The option-level losses of one minibatch (K > 1): DAC's or PPOC's, and the master entropy
         (all of the epsilon-soft pi_Omega the workers sample from, :meth:`OptionPolicy.log_master`)."""
         model = self.model
@@ -325,7 +340,8 @@ class Trainer:
         log_master = model.log_master(x)
         term_logits = model.termination(x)
         prev = mb["prev_option"].clamp(0, model.K - 1)
-        beta_prev = torch.sigmoid(term_logits).gather(-1, prev.unsqueeze(-1)).squeeze(-1)  # beta_{o_{t-1}}(x_t)
+        # beta_{o_{t-1}}(x_t)
+        beta_prev = torch.sigmoid(term_logits).gather(-1, prev.unsqueeze(-1)).squeeze(-1)
         prior = losses.termination_prior_loss(term_logits, float(self.cfg.get("termination_prior", 0.05)))
         out = {"loss/master_entropy": losses.weighted_mean(losses.categorical_entropy_logp(log_master), w),
                "loss/termination_prior": losses.weighted_mean(prior, w)}
@@ -341,10 +357,12 @@ class Trainer:
             log_pi_omega = log_master.gather(-1, mb["option"].unsqueeze(-1)).squeeze(-1)
             adv_m = losses.masked_normalize(mb["adv_master"], picked)
             w_is = losses.truncated_is(mb["log_rho_option"], rho_bar)
-            out["loss/master"] = losses.masked_mean(losses.ppoc_master_loss(log_pi_omega, adv_m, w_is), picked, w)
+            out["loss/master"] = losses.masked_mean(losses.ppoc_master_loss(log_pi_omega, adv_m, w_is),
+                                                    picked, w)
             decision = known & ~mb["ep_start"]  # beta_{o_{t-1}} was consulted at x_t (= s' of step t-1)
             out["loss/termination"] = losses.masked_mean(
-                losses.ppoc_termination_loss(beta_prev, mb["q_prev"], mb["v"], float(self.cfg.get("xi", 0.0))),
+                losses.ppoc_termination_loss(beta_prev, mb["q_prev"], mb["v"],
+                                             float(self.cfg.get("xi", 0.0))),
                 decision, w)
         return out
 

@@ -30,7 +30,8 @@ PROBE_SIZE = 256
 class OptionHealth:
     """Decayed per-option counters; :meth:`update` per batch, :meth:`summary` when reporting."""
 
-    def __init__(self, K: int, decay: float = 0.9, collapse_duration: float = 1.5, dominant_share: float = 0.95) -> None:
+    def __init__(self, K: int, decay: float = 0.9, collapse_duration: float = 1.5,
+                 dominant_share: float = 0.95) -> None:
         self.K = int(K)
         self.decay = float(decay)
         self.collapse_duration = float(collapse_duration)
@@ -98,10 +99,10 @@ class OptionHealth:
         top = max(s["usage"])
         if top > self.dominant_share:
             o = s["usage"].index(top)
-            w.append(f"option {o} takes {top:.1%} of the steps (> {self.dominant_share:.0%}): the others are unused "
-                     "(try learner.option_weights or broker.option_balanced, a larger policy.option_epsilon or "
-                     "learner.master_ent_coef; if the others last ~1 step, they are dropped at once: see "
-                     "docs/learning.md)")
+            w.append(f"option {o} takes {top:.1%} of the steps (> {self.dominant_share:.0%}): the others are "
+                     "unused (try learner.option_weights or broker.option_balanced, a larger "
+                     "policy.option_epsilon or learner.master_ent_coef; if the others last ~1 step, they are "
+                     "dropped at once: see docs/learning.md)")
         return w
 
     @staticmethod

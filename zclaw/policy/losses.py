@@ -144,7 +144,8 @@ def ppo_clip_loss(
 
 
 def option_value(q: torch.Tensor, option_probs: torch.Tensor) -> torch.Tensor:
-    """``V(s) = sum_o p(o) Q(s, o)`` for a distribution ``p`` over options (pi_Omega or pi_hat); [..., K] -> [...]."""
+    """``V(s) = sum_o p(o) Q(s, o)`` for a distribution ``p`` over options (pi_Omega or pi_hat);
+    [..., K] -> [...]."""
     return (q * option_probs).sum(-1)
 
 
@@ -155,7 +156,8 @@ def dac_high_loss(
 
     The high MDP's state is (s_t, o_{t-1}), its action o_t, its policy the call-and-return policy::
 
-        pi_hat(o_t | s_t, o_{t-1}) = (1 - beta_{o_{t-1}}(s_t)) [o_t = o_{t-1}] + beta_{o_{t-1}}(s_t) pi_Omega(o_t|s_t)
+        pi_hat(o_t | s_t, o_{t-1}) = (1 - beta_{o_{t-1}}(s_t)) [o_t = o_{t-1}]
+                                     + beta_{o_{t-1}}(s_t) pi_Omega(o_t|s_t)
         A^H_t = q_t - V^H(s_t, o_{t-1}),     V^H(s, o_prev) = sum_o pi_hat(o|s, o_prev) Q(s, o)
         L^H_t = PPO-clip(pi_hat / mu_hat, A^H_t)
 

@@ -79,14 +79,15 @@ class PolicyConfig:
 
     def __post_init__(self) -> None:
         if not 0.0 <= float(self.option_epsilon) < 1.0:
-            raise ValueError(f"option_epsilon = {self.option_epsilon!r} is not allowed: expected 0 <= eps < 1")
+            raise ValueError(f"option_epsilon = {self.option_epsilon!r} is not allowed: "
+                             "expected 0 <= eps < 1")
 
     def to_dict(self) -> Dict[str, Any]:
         return {
             "obs_dim": self.obs_dim, "act_dim": self.act_dim, "hidden": list(self.hidden),
             "activation": self.activation, "options": self.options, "init_log_std": self.init_log_std,
-            "normalize_obs": self.normalize_obs, "obs_clip": self.obs_clip, "option_epsilon": self.option_epsilon,
-            "option_residual": self.option_residual,
+            "normalize_obs": self.normalize_obs, "obs_clip": self.obs_clip,
+            "option_epsilon": self.option_epsilon, "option_residual": self.option_residual,
         }
 
     @classmethod
@@ -155,7 +156,8 @@ class OptionPolicy(nn.Module):
         return epsilon_soft_log_probs(self.master_logits(x), float(self.cfg.option_epsilon))
 
     def master_probs(self, x: torch.Tensor) -> torch.Tensor:
-        """pi_Omega(.|s) itself, the probabilities of :meth:`log_master` (exactly ``softmax(z)`` for eps = 0)."""
+        """pi_Omega(.|s) itself, the probabilities of :meth:`log_master` (exactly
+        ``softmax(z)`` for eps = 0)."""
         return epsilon_soft_probs(self.master_logits(x), float(self.cfg.option_epsilon))
 
     def beta(self, x: torch.Tensor) -> torch.Tensor:
@@ -169,8 +171,10 @@ class OptionPolicy(nn.Module):
     def gaussian_entropy(self, option: torch.Tensor) -> torch.Tensor:
         return (0.5 + 0.5 * math.log(2 * math.pi) + self.option_log_std()[option]).sum(-1)
 
-    def call_and_return_logits(self, x: torch.Tensor, prev_option: torch.Tensor, start: torch.Tensor) -> torch.Tensor:
-        """log pi_hat(.|s, o_prev) = log[(1 - beta_{o_prev}(s)) [o = o_prev] + beta_{o_prev}(s) pi_Omega(o|s)].
+    def call_and_return_logits(self, x: torch.Tensor, prev_option: torch.Tensor,
+                               start: torch.Tensor) -> torch.Tensor:
+        """log pi_hat(.|s, o_prev) = log[(1 - beta_{o_prev}(s)) [o = o_prev] + beta_{o_prev}(s)
+        pi_Omega(o|s)].
 
         ``x`` is the state the choice is made in, i.e. the s' reached by the previous step: the
         termination of the option that was running is evaluated there (not at the state it started
@@ -203,7 +207,8 @@ class OptionPolicy(nn.Module):
     # -- acting ------------------------------------------------------------------------------------
     @torch.no_grad()
     def act(
-        self, obs: torch.Tensor, prev_option: torch.Tensor, episode_start: torch.Tensor, deterministic: bool = False
+        self, obs: torch.Tensor, prev_option: torch.Tensor, episode_start: torch.Tensor,
+        deterministic: bool = False
     ) -> Dict[str, torch.Tensor]:
         """One call-and-return step for a batch of envs; returns what a segment records.
 

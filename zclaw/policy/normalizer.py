@@ -16,7 +16,8 @@ from torch import nn
 class RunningNorm(nn.Module):
     """y = clip((x - mean) / sqrt(var + eps), -clip, clip); statistics are buffers, not parameters."""
 
-    def __init__(self, shape: Tuple[int, ...], clip: float = 10.0, enabled: bool = True, eps: float = 1e-8) -> None:
+    def __init__(self, shape: Tuple[int, ...], clip: float = 10.0, enabled: bool = True,
+                 eps: float = 1e-8) -> None:
         super().__init__()
         self.clip = float(clip)
         self.enabled = bool(enabled)
@@ -51,4 +52,5 @@ class RunningNorm(nn.Module):
         self.count.copy_(total)
 
     def stats(self) -> Dict[str, np.ndarray]:
-        return {"mean": self.mean.cpu().numpy(), "var": self.var.cpu().numpy(), "count": self.count.cpu().numpy()}
+        return {"mean": self.mean.cpu().numpy(), "var": self.var.cpu().numpy(),
+                "count": self.count.cpu().numpy()}

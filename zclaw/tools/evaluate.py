@@ -206,7 +206,8 @@ def format_report(rep: Dict[str, Any]) -> str:
             continue
         sr = "-" if r["success_rate"] is None else f"{r['success_rate']:.2f}"
         lines.append(f"  {who:8s} return {r['return_mean']:9.3f} +- {r['return_std']:.3f}  "
-                     f"[{r['return_min']:.3f}, {r['return_max']:.3f}]  length {r['length_mean']:.1f}  success {sr}")
+                     f"[{r['return_min']:.3f}, {r['return_max']:.3f}]  length "
+                     f"{r['length_mean']:.1f}  success {sr}")
         o = r.get("options")
         if o:
             usage = " ".join(f"{u:.2f}" for u in o["usage"])

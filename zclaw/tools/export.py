@@ -43,8 +43,8 @@ class StudentModule(nn.Module):
 
 
 def export(
-    policy: OptionPolicy, spec: Dict[str, Any], out: Path, *, clip: bool = True, version: Optional[int] = None,
-    seed: int = 0,
+    policy: OptionPolicy, spec: Dict[str, Any], out: Path, *, clip: bool = True,
+    version: Optional[int] = None, seed: int = 0,
 ) -> Dict[str, Any]:
     """Trace, check and save the student; return the metadata written beside it (``zclaw.json``)."""
     policy = policy.eval()
@@ -58,7 +58,8 @@ def export(
         traced = torch.jit.trace(module, example, check_trace=False)
     meta = {
         "env_id": spec["env_id"], "spec": dict(spec), "version": version, "clip": clip,
-        "obs_dim": obs_dim, "act_dim": int(policy.cfg.act_dim), "input": "raw observations [B, obs_dim] float32",
+        "obs_dim": obs_dim, "act_dim": int(policy.cfg.act_dim),
+        "input": "raw observations [B, obs_dim] float32",
     }
     out = Path(out)
     out.parent.mkdir(parents=True, exist_ok=True)
@@ -70,7 +71,8 @@ def export(
 
 
 def check(path: Path, module: nn.Module, obs_dim: int, seed: int = 0) -> None:
-    """Reload ``path`` and compare it with the eager module on batches of 1 and 37 rows; raise if they differ."""
+    """Reload ``path`` and compare it with the eager module on batches of 1 and 37 rows;
+    raise if they differ."""
     loaded = torch.jit.load(str(path))
     gen = torch.Generator().manual_seed(seed + 1)
     for rows in (1, 37):
@@ -79,7 +81,8 @@ def check(path: Path, module: nn.Module, obs_dim: int, seed: int = 0) -> None:
             want, got = module(x), loaded(x)
         if want.shape != got.shape or not torch.allclose(want, got, atol=1e-6, rtol=1e-5):
             raise RuntimeError(f"exported {path} does not reproduce the student on a batch of {rows}: "
-                               f"max difference {(want - got).abs().max().item() if want.shape == got.shape else 'shape'}")
+                               "max difference "
+                               f"{(want - got).abs().max().item() if want.shape == got.shape else 'shape'}")
 
 
 def read_meta(path: Path) -> Dict[str, Any]:

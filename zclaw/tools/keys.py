@@ -1,11 +1,13 @@
-"""``zclaw keys generate DIR`` / ``zclaw keys add DIR NAME...``: CURVE key pairs in the layout every role reads.
+"""``zclaw keys generate DIR`` / ``zclaw keys add DIR NAME...``: CURVE key pairs in the
+layout every role reads.
 
 One key pair per name (``zmq.auth.create_certificates``: ``<name>.key`` holds the public key,
 ``<name>.key_secret`` the public and the secret key), sorted into::
 
     DIR/servers/broker.key, learner.key     the servers' public certs: copy to every host
     DIR/allowed/<client>.key                the clients' public certs: the allowlist; broker and learner hosts
-    DIR/private/<name>.key_secret           secrets, mode 600 in a mode-700 directory: each host gets only its own
+    DIR/private/<name>.key_secret           secrets, mode 600 in a mode-700 directory: each host gets
+                                            only its own
 
 The clients are ``learner`` (it connects to the broker), ``tools`` (status and the launcher),
 ``worker0`` ... ``worker<N-1>`` (worker ``--index i`` uses ``worker<i>``) and any extra ``--client`` names.
@@ -21,7 +23,8 @@ import tempfile
 from pathlib import Path
 from typing import Dict, List, Sequence
 
-from ..security import ALLOWED_DIR, PRIVATE_DIR, SERVER_NAMES, SERVERS_DIR, TOOLS_NAME, public_path, secret_path
+from ..security import (ALLOWED_DIR, PRIVATE_DIR, SERVER_NAMES, SERVERS_DIR, TOOLS_NAME, public_path,
+                        secret_path)
 
 _NAME = re.compile(r"^[A-Za-z0-9][A-Za-z0-9_.-]{0,63}$")
 
@@ -58,8 +61,8 @@ def generate(keys_dir: Path, names: Sequence[str], force: bool = False) -> Dict[
                             "(at most 64, not starting with a punctuation mark)")
     existing = [n for n in names if any(p.exists() for p in _paths(keys_dir, n))]
     if existing and not force:
-        raise KeysError(f"keys exist in {keys_dir} and would be overwritten (pass --force to replace them; hosts "
-                        "holding the old keys are then locked out): " + ", ".join(existing))
+        raise KeysError(f"keys exist in {keys_dir} and would be overwritten (pass --force to replace them; "
+                        "hosts holding the old keys are then locked out): " + ", ".join(existing))
     for sub, mode in ((SERVERS_DIR, 0o755), (ALLOWED_DIR, 0o755), (PRIVATE_DIR, 0o700)):
         (keys_dir / sub).mkdir(parents=True, exist_ok=True)
         os.chmod(keys_dir / sub, mode)
@@ -85,7 +88,8 @@ def describe(keys_dir: Path, written: Dict[str, List[Path]]) -> str:
     for name, paths in written.items():
         lines.append(f"  {name:<12} " + "  ".join(str(p.relative_to(keys_dir)) for p in paths))
     lines += [
-        "Copy servers/ to every host, allowed/ to the broker and learner hosts, and to each host only its own",
+        "Copy servers/ to every host, allowed/ to the broker and learner hosts, and to "
+        "each host only its own",
         "private/<name>.key_secret; then set [security] keys_dir (see docs/multihost.md).",
     ]
     return "\n".join(lines)

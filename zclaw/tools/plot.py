@@ -85,7 +85,8 @@ def read_run(path: Path, label: Optional[str] = None) -> Run:
             except ValueError:
                 continue  # a blank line, or one cut by a crash mid-write
         # collected env steps (the broker's count) where the broker answered; the learner's count otherwise
-        key = "env_steps" if any(isinstance(d.get("env_steps"), (int, float)) for d in lines) else "steps_consumed"
+        key = ("env_steps" if any(isinstance(d.get("env_steps"), (int, float)) for d in lines)
+               else "steps_consumed")
         for d in lines:
             x = d.get(key)
             if not isinstance(x, (int, float)):
@@ -105,7 +106,8 @@ def read_run(path: Path, label: Optional[str] = None) -> Run:
     events = sorted((path / "tb").glob("events.out.tfevents.*")) if (path / "tb").is_dir() else []
     if events:
         return _read_tb(run, path / "tb")
-    raise ValueError(f"{path} has no {METRICS} and no TensorBoard events under tb/: is it a zclaw run directory?")
+    raise ValueError(f"{path} has no {METRICS} and no TensorBoard events under tb/: is it a "
+                     "zclaw run directory?")
 
 
 def _read_tb(run: Run, tb_dir: Path) -> Run:
@@ -156,7 +158,8 @@ def figures(runs: Sequence[Run]) -> Dict[str, Any]:
             axes[1][0].plot(*_xy(r.env_steps, r.series.get("success", [])), label=r.label)
             if r.wall_s:
                 axes[1][1].plot(*_xy(r.wall_s, r.series.get("success", [])), label=r.label)
-    for row, what in enumerate(["mean return (last 100 episodes)", "success rate (last 100 episodes)"][:rows]):
+    for row, what in enumerate(["mean return (last 100 episodes)",
+                                "success rate (last 100 episodes)"][:rows]):
         for col, xlabel in enumerate(["env steps", "wall time (s)"]):
             ax = axes[row][col]
             ax.set_xlabel(xlabel)

@@ -41,7 +41,8 @@ class Poller:
     def __init__(
         self, broker: str, learner: str, timeout_ms: int = 1000, curves: Optional[Dict[str, Any]] = None
     ) -> None:
-        """``curves``: role -> CurveClient for a run with CURVE keys (``Security.from_config(cfg, "tools")``)."""
+        """``curves``: role -> CurveClient for a run with CURVE keys
+        (``Security.from_config(cfg, "tools")``)."""
         self.ctx = zmq.Context()
         self.endpoints = {"broker": broker, "learner": learner}
         curves = curves or {}
@@ -74,7 +75,8 @@ def build_snapshot(
             "steps_per_s": w.get("rate"),
             "last_seen_s": w.get("last_seen_s"),
             "version": v,
-            "behind": (learner_version - v) if isinstance(learner_version, int) and isinstance(v, int) else None,
+            "behind": ((learner_version - v) if isinstance(learner_version, int) and isinstance(v, int)
+                       else None),
             "version_age_s": w.get("version_age_s"),
             "segments": w.get("segments"),
             "steps": w.get("steps"),
@@ -164,8 +166,9 @@ def render(snap: Dict[str, Any]) -> str:
             f"({_f(L.get('steps_per_s'), 0)}/s)  up {_f(L.get('uptime_s'), 0)} s"
         )
         lines.append(
-            f"         return (last 100) {_f(L.get('return_mean_100'))}  success {_f(L.get('success_rate_100'))}"
-            f"  episodes {_f(L.get('episodes'))}  lag mean {_f(L.get('lag_mean'))} max {_f(L.get('lag_max'))}"
+            f"         return (last 100) {_f(L.get('return_mean_100'))}  success "
+            f"{_f(L.get('success_rate_100'))}  episodes {_f(L.get('episodes'))}  lag mean "
+            f"{_f(L.get('lag_mean'))} max {_f(L.get('lag_max'))}"
             + (f"  state: {L['state']}" if L.get("state") else "")
         )
         losses = L.get("losses") or {}
@@ -185,9 +188,9 @@ def render(snap: Dict[str, Any]) -> str:
         drops = B.get("drops") or {}
         drop_text = ", ".join(f"{k} {v}" for k, v in sorted(drops.items())) or "none"
         lines.append(
-            f"BROKER   fill {_f(B.get('fill'))}/{_f(B.get('capacity'))} segments  insert {_f(B.get('insert_rate'), 0)}"
-            f" steps/s  sample {_f(B.get('sample_rate'))} segments/s  stored steps {_f(B.get('inserted_steps'))}"
-            f"  batches {_f(B.get('batches'))}"
+            f"BROKER   fill {_f(B.get('fill'))}/{_f(B.get('capacity'))} segments  insert "
+            f"{_f(B.get('insert_rate'), 0)} steps/s  sample {_f(B.get('sample_rate'))} segments/s  stored "
+            f"steps {_f(B.get('inserted_steps'))}  batches {_f(B.get('batches'))}"
         )
         lines.append(f"         return (last 100) {_f(B.get('return_mean_100'))}  success "
                      f"{_f(B.get('success_rate_100'))}  episodes {_f(B.get('episodes'))}  drops: {drop_text}")
@@ -203,7 +206,8 @@ def render(snap: Dict[str, Any]) -> str:
     if W:
         rows = [[w["id"], w["host"], w["pid"], w["steps_per_s"], w["last_seen_s"], w["version"], w["behind"],
                  w["version_age_s"]] for w in W]
-        lines += _table(["id", "host", "pid", "steps/s", "last seen s", "version", "behind", "weights age s"], rows)
+        lines += _table(["id", "host", "pid", "steps/s", "last seen s", "version", "behind", "weights age s"],
+                        rows)
     return "\n".join(lines)
 
 
@@ -221,9 +225,10 @@ def run(
             snap = poller.snapshot()
             if not snap["answered"]:
                 if first or once or as_json:
-                    echo(f"error: nothing answers: no status reply from the broker at {broker} nor the learner at "
-                         f"{learner} within {timeout_ms} ms. Is the run up, and are the endpoints right? "
-                         "(--broker HOST:PORT --learner HOST:PORT, or --run-dir RUN for a `zclaw train` run)",
+                    echo(f"error: nothing answers: no status reply from the broker at {broker} nor the "
+                         f"learner at {learner} within {timeout_ms} ms. Is the run up, and are the endpoints "
+                         "right? (--broker HOST:PORT --learner HOST:PORT, or --run-dir RUN for "
+                         "a `zclaw train` run)",
                          err=True)
                     return 1
             if as_json:
@@ -233,7 +238,8 @@ def run(
             if once:
                 echo(text)
                 return 0
-            echo(("\x1b[H\x1b[2J" if clear else "") + text + "\n\n(refresh every %gs, Ctrl-C to quit)" % interval)
+            echo(("\x1b[H\x1b[2J" if clear else "") + text
+                 + "\n\n(refresh every %gs, Ctrl-C to quit)" % interval)
             first = False
             time.sleep(interval)
     except KeyboardInterrupt:

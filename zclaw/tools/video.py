@@ -38,7 +38,8 @@ def default_gl() -> Dict[str, str]:
     return {"MUJOCO_GL": "osmesa", "PYOPENGL_PLATFORM": "osmesa"}
 
 
-def gl_probe(env_id: str = "Reacher-v5", extra_env: Optional[Dict[str, str]] = None, timeout: float = 60) -> str:
+def gl_probe(env_id: str = "Reacher-v5", extra_env: Optional[Dict[str, str]] = None,
+             timeout: float = 60) -> str:
     """Render one frame of ``env_id`` in a child process; '' if it worked, else the error text."""
     code = (
         "import gymnasium as gym\n"
@@ -47,7 +48,8 @@ def gl_probe(env_id: str = "Reacher-v5", extra_env: Optional[Dict[str, str]] = N
     )
     env = dict(os.environ, **(extra_env if extra_env is not None else default_gl()))
     try:
-        out = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, timeout=timeout)
+        out = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True,
+                             timeout=timeout)
     except subprocess.TimeoutExpired:
         return f"rendering {env_id} took more than {timeout} s"
     if out.returncode == 0:
@@ -101,7 +103,8 @@ class _GifWriter:
         if not self.frames:
             return
         imgs = [Image.fromarray(f) for f in self.frames]
-        imgs[0].save(str(self.path), save_all=True, append_images=imgs[1:], duration=int(1000 / self.fps), loop=0)
+        imgs[0].save(str(self.path), save_all=True, append_images=imgs[1:], duration=int(1000 / self.fps),
+                     loop=0)
 
 
 def record(

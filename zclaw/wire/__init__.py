@@ -5,7 +5,7 @@ from .protocol import PROTOCOL_VERSION, Message, WireError, decode, encode, pack
 from .sockets import CreditPirate, DropCounter, LazyPirate, bind, make_socket, recv_frames, tcp
 
 __all__ = [
-    "PROTOCOL_VERSION", "SCHEMAS", "CreditPirate", "DropCounter", "EnvSpec", "LazyPirate", "Message", "Segment",
-    "WireError", "bind", "check_header", "decode", "encode", "make", "make_socket", "pack", "parse", "recv_frames",
-    "segment_dims", "tcp", "unpack",
+    "PROTOCOL_VERSION", "SCHEMAS", "CreditPirate", "DropCounter", "EnvSpec", "LazyPirate", "Message",
+    "Segment", "WireError", "bind", "check_header", "decode", "encode", "make", "make_socket", "pack",
+    "parse", "recv_frames", "segment_dims", "tcp", "unpack",
 ]

@@ -223,7 +223,8 @@ def segment_dims(msg: Message, spec: EnvSpec, max_options: int = MAX_OPTIONS) ->
     if len(episodes) > T * N:
         raise WireError("malformed", "more episodes than steps")
     for ep in episodes:
-        if not isinstance(ep, dict) or not set(ep) <= set(EPISODE_KEYS) or "return" not in ep or "length" not in ep:
+        if (not isinstance(ep, dict) or not set(ep) <= set(EPISODE_KEYS)
+                or "return" not in ep or "length" not in ep):
             raise WireError("malformed", "episode stats must be maps of return, length and optional success")
         for k, types in EPISODE_KEYS.items():
             if k in ep and (not isinstance(ep[k], types) or (isinstance(ep[k], bool) and bool not in types)):
@@ -234,7 +235,8 @@ def segment_dims(msg: Message, spec: EnvSpec, max_options: int = MAX_OPTIONS) ->
 
 
 @lru_cache(maxsize=64)
-def _segment_layout(T: int, N: int, M: int, spec: EnvSpec) -> Tuple[Tuple[str, Tuple[str, Tuple[int, ...]]], ...]:
+def _segment_layout(T: int, N: int, M: int,
+                    spec: EnvSpec) -> Tuple[Tuple[str, Tuple[str, Tuple[int, ...]]], ...]:
     """(name, (dtype, shape)) of every array of a T x N segment with M truncations (the same for every
     segment of a run, so worked out once, not per message)."""
     out = [(name, (dtype, tuple(shape_of(T, N, spec)))) for name, (dtype, shape_of) in SEGMENT_ARRAYS.items()]
@@ -261,7 +263,8 @@ class Segment:
 
     def frames(self) -> List[Frame]:
         return make(
-            "segment", self.arrays, worker=self.worker, seq=self.seq, spec_hash=self.spec_hash, episodes=self.episodes
+            "segment", self.arrays, worker=self.worker, seq=self.seq, spec_hash=self.spec_hash,
+            episodes=self.episodes
         )
 
     @property

@@ -24,7 +24,8 @@ import zmq
 PROTOCOL_VERSION = 1
 
 #: dtypes allowed on the wire, by their numpy ``.str`` (explicit little-endian or byte-sized).
-ALLOWED_DTYPES = frozenset({"<f4", "<f8", "<f2", "<i1", "<i2", "<i4", "<i8", "|i1", "|u1", "|b1", "<u2", "<u4"})
+ALLOWED_DTYPES = frozenset({"<f4", "<f8", "<f2", "<i1", "<i2", "<i4", "<i8", "|i1", "|u1", "|b1", "<u2",
+                            "<u4"})
 
 _DTYPES = {name: np.dtype(name) for name in ALLOWED_DTYPES}
 
@@ -124,7 +125,8 @@ def encode(
             if not parts or len({(p.dtype.str, p.shape) for p in parts}) != 1:
                 raise ValueError(f"array {name!r}: parts must be a non-empty list of one dtype and shape")
             if len(parts) > 1:
-                descr.append([name, wire_dtype(parts[0].dtype), [len(parts)] + list(parts[0].shape), len(parts)])
+                descr.append([name, wire_dtype(parts[0].dtype), [len(parts)] + list(parts[0].shape),
+                              len(parts)])
                 frames.extend(_payload(p) for p in parts)
                 continue
             arr = parts[0][None]  # one part is a plain array (a view, still no copy)
@@ -212,7 +214,8 @@ def _array_list(header: Mapping[str, Any]) -> List[Tuple[str, str, Tuple[int, ..
     total_parts = 0
     for entry in descr:
         if not isinstance(entry, list) or not 3 <= len(entry) <= 4:
-            raise WireError("malformed", "array entry is not [name, dtype, shape] or [name, dtype, shape, parts]")
+            raise WireError("malformed", "array entry is not [name, dtype, shape] or [name, "
+                            "dtype, shape, parts]")
         name, dtype, shape = entry[0], entry[1], entry[2]
         if not isinstance(name, str) or name in seen:
             raise WireError("malformed", f"array name {name!r} missing or repeated")
@@ -297,7 +300,8 @@ def _view(frame: Frame, name: str, dt: np.dtype, shape: Tuple[int, ...], check_f
     buf = frame if type(frame) is zmq.Frame else _as_buffer(frame)
     expected = math.prod(shape) * dt.itemsize
     if len(buf) != expected:
-        raise WireError("bad_length", f"array {name!r}: {len(buf)} bytes, {dt.str}{list(shape)} needs {expected}")
+        raise WireError("bad_length", f"array {name!r}: {len(buf)} bytes, "
+                        f"{dt.str}{list(shape)} needs {expected}")
     arr = np.ndarray(shape, dt, buf) if expected else np.zeros(shape, dt)
     if check_finite and dt.kind == "f" and expected and not np.isfinite(arr).all():
         raise WireError("non_finite", f"array {name!r} holds NaN or infinity")

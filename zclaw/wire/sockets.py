@@ -90,7 +90,8 @@ def ensure_authenticator(ctx: zmq.Context, allowed_dir: str, log: Any = None) ->
         entry = _AUTHENTICATORS.get(id(ctx))
         if entry is not None and entry[0]() is ctx:
             if entry[2] != allowed_dir:
-                raise ValueError(f"context already admits {entry[2]!r}; cannot also use allowlist {allowed_dir!r}")
+                raise ValueError(f"context already admits {entry[2]!r}; cannot also use "
+                                 f"allowlist {allowed_dir!r}")
             return entry[1]
         auth = ThreadAuthenticator(ctx, log=_ZapLog(log) if log is not None else None)
         auth.start()
@@ -186,7 +187,8 @@ class DropCounter:
         self._since_log[cause] += 1
         now = time.monotonic()
         if now - self._last_log >= self._interval:
-            self._log.warning(f"dropped {self._what}", causes=dict(self._since_log), last=cause, detail=detail[:200])
+            self._log.warning(f"dropped {self._what}", causes=dict(self._since_log), last=cause,
+                              detail=detail[:200])
             self._since_log.clear()
             self._last_log = now
 
@@ -232,7 +234,8 @@ class LazyPirate:
     socket_type = zmq.REQ
 
     def _connect(self) -> zmq.Socket:
-        sock = make_socket(self.ctx, self.socket_type, max_message_bytes=self.max_message_bytes, curve=self.curve)
+        sock = make_socket(self.ctx, self.socket_type, max_message_bytes=self.max_message_bytes,
+                           curve=self.curve)
         if self.configure is not None:
             self.configure(sock)
         sock.connect(self.endpoint)

@@ -65,7 +65,8 @@ class Sender:
         self.max_queued = 0
         self._last_bp_log = 0.0
         self._bp_since_log = 0.0
-        self._monitor: Optional[zmq.Socket] = sock.get_monitor_socket(zmq.EVENT_CONNECTED) if monitor else None
+        self._monitor: Optional[zmq.Socket] = (sock.get_monitor_socket(zmq.EVENT_CONNECTED) if monitor
+                                               else None)
 
     # ------------------------------------------------------------------------------------ counters
     @property
@@ -84,7 +85,8 @@ class Sender:
 
     # ------------------------------------------------------------------------------------- sending
     def hello(self, frames: Optional[Sequence[Frame]] = None) -> None:
-        """Queue a heartbeat ``hello`` (replacing any unsent one) and try to send it now, ahead of segments."""
+        """Queue a heartbeat ``hello`` (replacing any unsent one) and try to send it now,
+        ahead of segments."""
         if frames is None:
             if self._hello_fn is None:
                 return
@@ -200,7 +202,8 @@ class Sender:
         return len(self._queue)
 
     def close(self) -> List[Sequence[Frame]]:
-        """Stop monitoring; return (and forget) the segments that were never sent, for the caller to report."""
+        """Stop monitoring; return (and forget) the segments that were never sent, for the
+        caller to report."""
         left = list(self._queue)
         self._queue.clear()
         if self._monitor is not None:

@@ -183,7 +183,8 @@ class WeightsClient:
         self.log = log
         sec = security if security is not None else Security.from_config(cfg, "worker", log=log)
         max_bytes = int(net["max_message_mb"]) << 20
-        self.sub = make_socket(ctx, zmq.SUB, max_message_bytes=max_bytes, conflate=True, curve=sec.client("learner"))
+        self.sub = make_socket(ctx, zmq.SUB, max_message_bytes=max_bytes, conflate=True,
+                               curve=sec.client("learner"))
         self.sub.setsockopt(zmq.SUBSCRIBE, b"")  # subscribe before connecting, or the first messages are lost
         self.sub.connect(tcp(net["learner_host"], net["publish_port"]))
         self.pirate = LazyPirate(
@@ -306,7 +307,8 @@ class Worker:
         self.log = log
         self.index = index
         # CURVE keys as worker<index> (None: from cfg; raises ConfigError before any socket exists)
-        self.security = security if security is not None else Security.from_config(cfg, "worker", index, log=log)
+        self.security = (security if security is not None
+                         else Security.from_config(cfg, "worker", index, log=log))
         self.env = env
         self.device = device
         self.stop = stop
@@ -317,8 +319,8 @@ class Worker:
         self.ctx = ctx if ctx is not None else zmq.Context()
         self._own_ctx = ctx is None
         net = cfg["network"]
-        push = make_socket(self.ctx, zmq.PUSH, max_message_bytes=int(net["max_message_mb"]) << 20, hwm=PUSH_HWM,
-                           curve=self.security.client("broker"))
+        push = make_socket(self.ctx, zmq.PUSH, max_message_bytes=int(net["max_message_mb"]) << 20,
+                           hwm=PUSH_HWM, curve=self.security.client("broker"))
         push.setsockopt(zmq.IMMEDIATE, 1)  # queue nothing inside ZeroMQ for a broker that is not connected
         push.connect(tcp(net["broker_host"], net["ingest_port"]))
         self.push = push
@@ -336,7 +338,9 @@ class Worker:
         self.episodes_done = 0
         self.recent_returns: Deque[float] = deque(maxlen=100)
         self.buf = SegmentBuffer(self.T, self.N, self.spec, getattr(env, "device", device))
-        self.low = torch.tensor(self.spec.action_low, dtype=torch.float32, device=device).reshape(self.spec.action_shape)
+        self.low = torch.tensor(self.spec.action_low, dtype=torch.float32, device=device).reshape(
+            self.spec.action_shape
+        )
         self.high = torch.tensor(self.spec.action_high, dtype=torch.float32, device=device).reshape(
             self.spec.action_shape
         )
@@ -387,14 +391,16 @@ class Worker:
                 return False
             if self.apply(msg):
                 return True
-            deadline = time.monotonic() + 1.0  # unusable weights (counted): ask again, but not in a tight loop
+            # unusable weights (counted): ask again, but not in a tight loop
+            deadline = time.monotonic() + 1.0
             while time.monotonic() < deadline and not self.stop.is_set():
                 time.sleep(0.02)
         return False
 
     # -- the loop ----------------------------------------------------------------------------------
     def run(self, max_segments: Optional[int] = None) -> int:
-        """Collect and send segments until stopped (or ``max_segments`` were produced); return segments made."""
+        """Collect and send segments until stopped (or ``max_segments`` were produced);
+        return segments made."""
         self.log.info(
             "worker starting", identity=self.identity, env=self.spec.env_id, envs=self.N, T=self.T,
             device=str(self.device), spec_hash=self.spec.hash,
@@ -407,7 +413,8 @@ class Worker:
         stop = self.stop
         env, buf, T, N = self.env, self.buf, self.T, self.N
         obs = env.reset()
-        pop_episodes = getattr(env, "pop_episodes", None)  # device backends hand out episode stats per segment
+        # device backends hand out episode stats per segment
+        pop_episodes = getattr(env, "pop_episodes", None)
         prev_option = torch.zeros(N, dtype=torch.long, device=self.device)
         episode_start = torch.ones(N, dtype=torch.bool, device=self.device)
         made = 0

@@ -2,6 +2,7 @@
 import sys
 
 if "torch" in sys.modules:
-    raise ImportError("PyTorch was imported before isaacgym modules.  Please import torch after isaacgym modules.")
+    raise ImportError("PyTorch was imported before isaacgym modules.  Please import torch "
+                      "after isaacgym modules.")
 
 FAKE = True

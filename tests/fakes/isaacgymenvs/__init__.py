@@ -93,7 +93,8 @@ class FakeReach:
         return torch.zeros([self.num_envs, self.num_actions], dtype=torch.float32, device=self.rl_device)
 
     def reset(self):
-        """As VecTask.reset in IsaacGymEnvs 1.5: one step with zero actions, which resets every flagged env."""
+        """As VecTask.reset in IsaacGymEnvs 1.5: one step with zero actions, which resets
+        every flagged env."""
         self.step(self.zero_actions())
         return self.obs_dict
 
@@ -118,6 +119,7 @@ def make(
     try:
         torch.zeros(1, device=sim_device)
     except (RuntimeError, AssertionError) as exc:
-        raise NoCudaHere(f"fake isaacgymenvs: {sim_device} asked for, and this machine cannot use it") from exc
+        raise NoCudaHere(f"fake isaacgymenvs: {sim_device} asked for, and this "
+                         "machine cannot use it") from exc
     torch.manual_seed(seed)
     return FakeReach(seed, num_envs, rl_device, sim_device)
