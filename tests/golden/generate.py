@@ -54,8 +54,8 @@ def messages() -> Dict[str, List[bytes]]:
         "hello": make("hello", role="worker", identity="w0-host-1", host="host", pid=1, zclaw="0.1.0",
                       spec=SPEC.to_dict()),
         "sample": make("sample", batch_size=1, version=8, priority_keys=[3], priorities=[0.5]),
-        "batch": make("batch", batch, keys=[12, 13], workers=["w0-host-1"] * 2, seqs=[12, 13], episodes=episodes,
-                      spec_hash=SPEC.hash),
+        "batch": make("batch", batch, keys=[12, 13], workers=["w0-host-1"] * 2, seqs=[12, 13],
+                      episodes=episodes, spec_hash=SPEC.hash),
         "retry": make("retry", reason="min_size", retry_ms=20),
         "error": make("error", reason="unknown_kind"),
         "weights": [pack(make("weights", weights_arrays, version=8, step=4096, spec_hash=SPEC.hash,
@@ -63,7 +63,8 @@ def messages() -> Dict[str, List[bytes]]:
         "snapshot": make("snapshot", spec_hash=SPEC.hash),
         "welcome": make("welcome", role="broker", identity="broker-host-2", host="host", pid=2, zclaw="0.1.0",
                         spec=SPEC.to_dict()),
-        "refused": make("refused", reason="env spec 0123456789abcdef differs from the run's", cause="bad_spec"),
+        "refused": make("refused", reason="env spec 0123456789abcdef differs from the run's",
+                        cause="bad_spec"),
         "status": make("status", role="broker", report={"fill": 3, "drops": {"malformed": 1}}),
     }
     return {k: [bytes(memoryview(f).cast("B")) for f in v] for k, v in out.items()}
