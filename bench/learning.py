@@ -16,7 +16,9 @@ a wall-time cap; a run that misses a threshold reports "> cap". Thresholds (the 
   to the launch of ``zclaw train`` (startup included). Option usage and duration come from
   ``learner_final.json``; teacher vs student evaluation from ``zclaw eval RUN --json``.
 * SB3 PPO (``pip install stable-baselines3``; a bench dependency, not a project one): 8 envs,
-  VecNormalize, SB3's defaults, the same clock (from process launch), the same last-100 statistic.
+  VecNormalize, SB3's defaults except the discount, which is the task's zclaw config's
+  ``learner.gamma`` (Reacher 0.95, the others 0.99: both learners optimise the same return); the
+  same clock (from process launch), the same last-100 statistic.
 * Sample Factory APPO (variant ``sf``, Reacher only; the other tasks skip it): ``bench/sf_reacher.py``
   run by ``--sf-python``, the python of a separate venv that has Sample Factory (it pins gymnasium
   < 1.0 and numpy < 2, so it is neither a project nor a bench dependency; that file's docstring
@@ -127,7 +129,7 @@ from stable_baselines3 import PPO
 from stable_baselines3.common.callbacks import BaseCallback
 from stable_baselines3.common.env_util import make_vec_env
 from stable_baselines3.common.vec_env import VecNormalize
-env_id, seed, cap = sys.argv[1], int(sys.argv[2]), float(sys.argv[3])
+env_id, seed, cap, gamma = sys.argv[1], int(sys.argv[2]), float(sys.argv[3]), float(sys.argv[5])
 wrap = gym.wrappers.FlattenObservation if env_id.startswith("Fetch") else None
 venv = VecNormalize(make_vec_env(env_id, n_envs=8, seed=seed, wrapper_class=wrap,
                                  monitor_kwargs={"info_keywords": ("is_success",)} if wrap else None))
@@ -144,15 +146,23 @@ class Log(BaseCallback):
                 print(json.dumps({"t": now - t0, "steps": self.num_timesteps, "return": r,
                                   "success": (sum(s) / len(s)) if s else None}), flush=True)
         return now - t0 < cap
-PPO("MlpPolicy", venv, seed=seed, verbose=0, device="cpu").learn(10**9, callback=Log())
+PPO("MlpPolicy", venv, seed=seed, gamma=gamma, verbose=0, device="cpu").learn(10**9, callback=Log())
 """
+
+
+def zclaw_config(task: str) -> Dict[str, Dict[str, Any]]:
+    """The resolved zclaw config of a task (SB3 gets its discount: the same return to optimise)."""
+    from zclaw.config import load
+
+    return load(str(ROOT / TASKS[task]["config"]))
 
 
 def run_sb3(task: str, seed: int, cap: float, out: Path) -> Dict[str, Any]:
     spec = TASKS[task]
+    gamma = zclaw_config(task)["learner"]["gamma"]
     t0 = time.time()
-    p = subprocess.run([sys.executable, "-c", SB3_SCRIPT, spec["env"], str(seed), str(cap), repr(t0)],
-                       capture_output=True, text=True, timeout=cap + 300)
+    p = subprocess.run([sys.executable, "-c", SB3_SCRIPT, spec["env"], str(seed), str(cap), repr(t0),
+                        str(gamma)], capture_output=True, text=True, timeout=cap + 300)
     (out / f"sb3-{task}-s{seed}.log").write_text(p.stdout + p.stderr)
     points = []
     for line in p.stdout.splitlines():
