@@ -46,6 +46,8 @@ import time
 from pathlib import Path
 from typing import Any, Dict, List, Optional, Tuple
 
+from zclaw.config import load as load_config
+
 ROOT = Path(__file__).resolve().parents[1]
 
 TASKS: Dict[str, Dict[str, Any]] = {
@@ -152,9 +154,7 @@ PPO("MlpPolicy", venv, seed=seed, gamma=gamma, verbose=0, device="cpu").learn(10
 
 def zclaw_config(task: str) -> Dict[str, Dict[str, Any]]:
     """The resolved zclaw config of a task (SB3 gets its discount: the same return to optimise)."""
-    from zclaw.config import load
-
-    return load(str(ROOT / TASKS[task]["config"]))
+    return load_config(str(ROOT / TASKS[task]["config"]))
 
 
 def run_sb3(task: str, seed: int, cap: float, out: Path) -> Dict[str, Any]:
@@ -352,8 +352,8 @@ def main() -> None:
     ap.add_argument("--seeds", type=int, default=3)
     ap.add_argument("--cap", default="600", help="seconds per run: one number, or task=seconds pairs")
     ap.add_argument("--variants", default="k1,k4,sb3,sf",
-                    help="comma list of k1, k4, sb3, sf (Sample Factory APPO, Reacher "
-                         "only; needs --sf-python)")
+                    help="comma list of k1, k4, sb3, sf "
+                         "(Sample Factory APPO, Reacher only; needs --sf-python)")
     ap.add_argument("--sf-python", default=SF_PYTHON,
                     help="python of the venv with Sample Factory, for the sf variant (default: %(default)s)")
     ap.add_argument("--out", default=None, help="directory for run dirs and logs (default: a temp dir)")

@@ -253,8 +253,8 @@ def status(
 
     if run_dir is not None and config is None:
         if not (Path(run_dir) / "config.toml").exists():
-            raise click.UsageError(f"--run-dir {run_dir}: no config.toml there (is it a "
-                                   "zclaw run directory?)")
+            raise click.UsageError(f"--run-dir {run_dir}: no config.toml there "
+                                   "(is it a zclaw run directory?)")
         config = str(Path(run_dir) / "config.toml")
     cfg = _load(config, overrides)
     b_default, l_default = status_mod.endpoints_from_config(cfg)

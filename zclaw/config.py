@@ -361,13 +361,10 @@ def reference_markdown() -> str:
     out = [
         "# Configuration reference",
         "",
-        "Generated from `zclaw/config.py` by `zclaw config docs > docs/configuration.md`; a "
-        "test fails when this",
-        "file and the schema disagree. Values come from the defaults below, then "
-        "`--config FILE` (TOML), then",
-        "`--set section.key=value` (repeatable), then a command's own flags. Unknown keys "
-        "and values that are not",
-        "allowed are rejected with the key named.",
+        "Generated from `zclaw/config.py` by `zclaw config docs > docs/configuration.md`;",
+        "a test fails when this file and the schema disagree. Values come from the defaults below,",
+        "then `--config FILE` (TOML), then `--set section.key=value` (repeatable), then a command's",
+        "own flags. Unknown keys and values that are not allowed are rejected with the key named.",
         "",
     ]
     for sec, keys in SCHEMA.items():
