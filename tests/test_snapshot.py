@@ -139,7 +139,9 @@ def test_broker_snapshots_while_ingesting_and_restores_after_sigkill(
     again.proc.send_signal(signal.SIGTERM)
     assert again.proc.wait(10) == 0
     assert time.monotonic() - t0 < 10
-    assert '"outcome": "written"' in [x for x in again.output().splitlines() if '"final snapshot"' in x][0]
+    final = [json.loads(x) for x in again.output().splitlines() if '"final snapshot"' in x]
+    # "current": a periodic snapshot (every 0.3 s) after the last sample already holds this state
+    assert final and final[0]["outcome"] in ("written", "current"), final
     loaded = snapshot.load(snapshot.snapshot_path(run_dir))
     assert loaded is not None and loaded[1]["store"]["sampled"] == 7 and len(loaded[0]["slot"]) == 0
 
