@@ -325,7 +325,8 @@ def table(results: Dict[str, Dict[str, List[Dict[str, Any]]]], caps: Dict[str, f
                     lines.append(f"- {task} {variant}: option usage {usage}, mean duration "
                                  f"{_round(o.get('duration_mean'), 2)} steps, distance of the option means "
                                  f"min {_round(o.get('distance_min'), 3)} mean "
-                                 f"{_round(o.get('distance_mean'), 3)}")
+                                 f"{_round(o.get('distance_mean'), 3)}, spread min "
+                                 f"{_round(o.get('spread_min'), 3)} of the action range")
                 ev = r.get("eval")
                 if ev:
                     lines.append(f"- {task} {variant}: eval {json.dumps(summarise_eval(ev))}")

@@ -583,6 +583,41 @@ def test_health_figures_by_hand_and_warnings() -> None:
     assert OptionHealth.scalars(s)["options/usage/0"] == pytest.approx(4 / 6)
 
 
+def test_health_spread_is_a_share_of_the_action_range_and_warns_only_after_warmup() -> None:
+    low, high = torch.tensor([-2.0, 0.0]), torch.tensor([2.0, 1.0])  # half-ranges 2 and 0.5
+    h = OptionHealth(3, action_low=low, action_high=high, identical_spread=0.05, warmup_updates=2)
+    # two probe states; option 2 lies beyond the bounds in dim 0 and is clipped to 2 before comparing
+    means = torch.tensor([[[0.0, 0.5], [0.2, 0.5], [5.0, 0.5]],
+                          [[0.0, 0.5], [0.2, 0.55], [5.0, 0.5]]])
+    # pair (0, 1): state 0 RMS(0.1, 0) = 0.0707, state 1 RMS(0.1, 0.1) = 0.1; mean 0.0854
+    # pair (1, 2): RMS(0.9, 0) = 0.636 and RMS(0.9, 0.1) = 0.640; pair (0, 2): RMS(1, 0) = 0.707 and 0.707
+    want = (math.sqrt(0.01 / 2) + math.sqrt(0.02 / 2)) / 2
+    assert h.spread_min(means) == pytest.approx(want, rel=1e-5)
+    # without bounds the half-range is 1 and nothing is clipped: pair (0, 1) is then the closest
+    unbounded = (math.sqrt(0.04 / 2) + math.sqrt((0.04 + 0.0025) / 2)) / 2
+    assert OptionHealth(3).spread_min(means) == pytest.approx(unbounded, rel=1e-5)
+
+    spec = spec_of(2, 1)
+    model = make_model(spec, hidden=[8], options=2)
+    with torch.no_grad():  # every option's mean is 0 on every state: the options act exactly alike
+        for p in model.actor[-1].parameters():
+            p.zero_()
+    alike = OptionHealth(2, warmup_updates=3, action_low=torch.tensor([-1.0]),
+                         action_high=torch.tensor([1.0]))
+    o = torch.tensor([0, 0, 1, 1]).unsqueeze(1)
+    st = torch.tensor([True, False, True, False]).unsqueeze(1)
+    pv, es, kn = Trainer.option_context(o, st, torch.zeros(4, 1, dtype=torch.bool))
+    for n in range(1, 4):
+        alike.update(o, st, pv, kn, es, torch.randn(5, 1, 2))
+        s = alike.summary(model)
+        assert s["spread_min"] == 0.0 and s["updates"] == n
+        assert any("act alike" in w for w in s["warnings"]) == (n >= 3), (n, s["warnings"])
+    assert OptionHealth.scalars(s)["options/spread_min"] == 0.0
+    off = OptionHealth(2, identical_spread=0.0, warmup_updates=0)
+    off.update(o, st, pv, kn, es, torch.randn(5, 1, 2))
+    assert not any("act alike" in w for w in off.summary(model)["warnings"])
+
+
 def test_residual_options_share_a_policy_that_every_step_trains() -> None:
     """option_residual: mu_o = (mu + m_o) / 2 and log sigma_o = (log sigma + l_o) / 2; a step trained only on
     option 0's samples moves option 1's mean too (through the shared head), unlike independent heads."""

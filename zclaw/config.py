@@ -192,6 +192,11 @@ SCHEMA: Dict[str, Dict[str, Key]] = {
                                         "(options terminating every step)", min=1),
         "health_dominant_share": Key(0.95, "warn when one option takes more than this share of the steps",
                                      min=0, max=1),
+        "health_identical_spread": Key(0.05, "warn when two options' action means differ by less than this "
+                                       "share of the action range (RMS over action dimensions, on the "
+                                       "probe batch; options that act alike); 0: off", min=0, max=1),
+        "health_warmup_updates": Key(50, "updates before the 'options act alike' warning may fire (options "
+                                     "start alike)", min=0),
     },
     "policy": {
         "hidden": Key([64, 64], "hidden layer sizes of the actor and critic MLPs", type=list),

@@ -496,7 +496,7 @@ class Learner:
             rnd = lambda xs: [None if v is None else round(v, 3) for v in xs]  # noqa: E731
             self.log.info("option health", usage=rnd(o["usage"]), duration=rnd(o["duration"]),
                           termination_rate=rnd(o["termination_rate"]), entropy=rnd(o["entropy"]),
-                          distance_min=o["distance_min"])
+                          distance_min=o["distance_min"], spread_min=o.get("spread_min"))
             for warning in o["warnings"]:
                 self.log.warning(warning)
 

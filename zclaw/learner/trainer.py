@@ -79,7 +79,10 @@ class Trainer:
                      if action_high is not None else None)
         self.health = OptionHealth(model.K,
                                    collapse_duration=float(self.cfg.get("health_collapse_duration", 1.5)),
-                                   dominant_share=float(self.cfg.get("health_dominant_share", 0.95)))
+                                   dominant_share=float(self.cfg.get("health_dominant_share", 0.95)),
+                                   identical_spread=float(self.cfg.get("health_identical_spread", 0.05)),
+                                   warmup_updates=int(self.cfg.get("health_warmup_updates", 50)),
+                                   action_low=self.low, action_high=self.high)
         self.skipped_steps = 0  # optimiser steps skipped because the loss or gradient was not finite
 
     def student_parameters(self) -> list:

@@ -12,7 +12,12 @@ reports, per option:
 * ``entropy``          Gaussian entropy of pi_o (depends on its log std only);
 
 and, on a fixed probe batch of observations (the first states the learner trained on), the pairwise
-mean L2 distance of the options' action means (``distance_min`` over pairs is the one to watch).
+mean L2 distance of the options' action means (``distance_min``, ``distance_mean``) and the same
+distance as a share of the action range (``spread_min``: the root mean square over action dimensions
+of the difference of the two means, clipped to the bounds, over the half-range (high - low) / 2).
+The share is the one a warning can use: a raw distance of 0.05 is large for actions in [-0.1, 0.1]
+and nothing for [-2, 2]. It is not scaled by the policies' noise: late in training that noise is
+small, and two options whose means differ by 1.5 sigma but by 3% of the range still act alike.
 """
 from __future__ import annotations
 
@@ -31,11 +36,19 @@ class OptionHealth:
     """Decayed per-option counters; :meth:`update` per batch, :meth:`summary` when reporting."""
 
     def __init__(self, K: int, decay: float = 0.9, collapse_duration: float = 1.5,
-                 dominant_share: float = 0.95) -> None:
+                 dominant_share: float = 0.95, identical_spread: float = 0.05, warmup_updates: int = 50,
+                 action_low: Optional[torch.Tensor] = None,
+                 action_high: Optional[torch.Tensor] = None) -> None:
         self.K = int(K)
         self.decay = float(decay)
         self.collapse_duration = float(collapse_duration)
         self.dominant_share = float(dominant_share)
+        # options start alike (0.01-gain heads): the "act alike" warning waits for this many updates
+        self.identical_spread = float(identical_spread)
+        self.warmup_updates = int(warmup_updates)
+        self.low = None if action_low is None else torch.as_tensor(action_low, dtype=torch.float32).cpu()
+        self.high = None if action_high is None else torch.as_tensor(action_high, dtype=torch.float32).cpu()
+        self.updates = 0
         self.steps = torch.zeros(self.K, dtype=torch.float64)
         self.picks = torch.zeros(self.K, dtype=torch.float64)
         self.continuing = torch.zeros(self.K, dtype=torch.float64)
@@ -54,6 +67,7 @@ class OptionHealth:
         cont = (choice_known & ~episode_start).reshape(-1).cpu()  # a termination decision was made
         prev = prev_option.reshape(-1).cpu()
         d = self.decay
+        self.updates += 1
         self.steps = d * self.steps + torch.bincount(o, minlength=K).double()
         self.picks = d * self.picks + torch.bincount(o[start], minlength=K).double()
         self.continuing = d * self.continuing + torch.bincount(prev[cont], minlength=K).double()
@@ -74,7 +88,8 @@ class OptionHealth:
         out: Dict[str, Any] = {
             "K": K, "usage": usage, "duration": duration, "termination_rate": term, "entropy": entropy,
             "duration_mean": float(total / float(self.picks.sum())) if float(self.picks.sum()) > 0 else None,
-            "distance_min": None, "distance_mean": None, "warnings": [],
+            "distance_min": None, "distance_mean": None, "spread_min": None, "updates": self.updates,
+            "warnings": [],
         }
         if K > 1 and self.probe is not None:
             dev = next(model.parameters()).device
@@ -84,8 +99,24 @@ class OptionHealth:
             pairs = dist[iu[0], iu[1]]
             out["distance_min"] = float(pairs.min())
             out["distance_mean"] = float(pairs.mean())
+            out["spread_min"] = self.spread_min(means)
         out["warnings"] = self.warnings(out)
         return out
+
+    def spread_min(self, means: torch.Tensor) -> float:
+        """min over option pairs of mean_probe RMS_a (clip(mu_i) - clip(mu_j))_a / ((high - low)_a / 2).
+
+        Without (finite) bounds the half-range is taken as 1.
+        """
+        half = torch.ones(means.shape[-1])
+        if self.low is not None and self.high is not None:
+            ok = torch.isfinite(self.low) & torch.isfinite(self.high) & (self.high > self.low)
+            means = torch.where(ok, torch.maximum(torch.minimum(means, self.high), self.low), means)
+            half = torch.where(ok, (self.high - self.low) / 2, half)
+        rel = means / half  # [P, K, A]
+        rms = (rel.unsqueeze(2) - rel.unsqueeze(1)).pow(2).mean(-1).sqrt().mean(0)  # [K, K]
+        iu = torch.triu_indices(self.K, self.K, offset=1)
+        return float(rms[iu[0], iu[1]].min())
 
     def warnings(self, s: Dict[str, Any]) -> List[str]:
         """The known failure modes, as text a user can act on (nothing for K = 1 or before any data)."""
@@ -103,6 +134,12 @@ class OptionHealth:
                      "unused (try learner.option_weights or broker.option_balanced, a larger "
                      "policy.option_epsilon or learner.master_ent_coef; if the others last ~1 step, they are "
                      "dropped at once: see docs/learning.md)")
+        sp = s.get("spread_min")
+        if sp is not None and self.updates >= self.warmup_updates and sp < self.identical_spread:
+            w.append(f"options act alike: two options' action means differ by {sp:.1%} of the action "
+                     f"range (< {self.identical_spread:.0%}) after {self.updates} updates; the hierarchy "
+                     "adds little on this task, and K = 1 may serve as well for less compute "
+                     "(see docs/learning.md)")
         return w
 
     @staticmethod
@@ -113,7 +150,7 @@ class OptionHealth:
             for o, v in enumerate(s[key]):
                 if v is not None and math.isfinite(v):
                     out[f"options/{key}/{o}"] = float(v)
-        for key in ("duration_mean", "distance_min", "distance_mean"):
+        for key in ("duration_mean", "distance_min", "distance_mean", "spread_min"):
             if s.get(key) is not None:
                 out[f"options/{key}"] = float(s[key])
         return out
