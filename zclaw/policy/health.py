@@ -106,13 +106,12 @@ class OptionHealth:
     def spread_min(self, means: torch.Tensor) -> float:
         """min over option pairs of mean_probe RMS_a (clip(mu_i) - clip(mu_j))_a / ((high - low)_a / 2).
 
-        Without (finite) bounds the half-range is taken as 1.
+        Without bounds the half-range is taken as 1 (the env spec's bounds are finite: the wire checks).
         """
         half = torch.ones(means.shape[-1])
         if self.low is not None and self.high is not None:
-            ok = torch.isfinite(self.low) & torch.isfinite(self.high) & (self.high > self.low)
-            means = torch.where(ok, torch.maximum(torch.minimum(means, self.high), self.low), means)
-            half = torch.where(ok, (self.high - self.low) / 2, half)
+            means = torch.clamp(means, self.low, self.high)
+            half = ((self.high - self.low) / 2).clamp(min=1e-6)  # a fixed dimension: both means clip alike
         rel = means / half  # [P, K, A]
         rms = (rel.unsqueeze(2) - rel.unsqueeze(1)).pow(2).mean(-1).sqrt().mean(0)  # [K, K]
         iu = torch.triu_indices(self.K, self.K, offset=1)
