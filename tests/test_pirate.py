@@ -4,7 +4,7 @@ from __future__ import annotations
 import socket
 import threading
 import time
-from typing import List
+from typing import Callable, List
 
 import zmq
 
@@ -77,8 +77,8 @@ def test_credit_keeps_requests_in_flight_and_replies_in_order() -> None:
 def test_a_silent_peer_is_replaced_and_outstanding_requests_are_sent_again() -> None:
     ctx = zmq.Context()
     port = free_port()
-    mute = Server(ctx, port, answer=False)
-    mute.start()
+    servers = [Server(ctx, port, answer=False)]
+    servers[0].start()
     client = CreditPirate(ctx, f"tcp://127.0.0.1:{port}", credit=2, timeout_ms=300, retries=None)
     done = threading.Event()  # ends the client's retries if the test fails before the peer comes back
     result = {}
@@ -87,24 +87,37 @@ def test_a_silent_peer_is_replaced_and_outstanding_requests_are_sent_again() -> 
                          daemon=True)
     try:
         t.start()
-        deadline = time.monotonic() + 5
-        while len(mute.seen) < 2 and time.monotonic() < deadline:
-            time.sleep(0.01)
+        mute = servers[0]
+        wait_until(lambda: len(mute.seen) >= 2)
         assert mute.seen == [7, 7]  # both credits went out, neither is answered
-        mute.stop.set()
-        mute.join()
+        stop(mute)
         live = Server(ctx, port)  # the peer comes back on the same port
+        servers.append(live)
         live.start()
         t.join(10)
         assert result["r"]["retry_ms"] == 7 and client.failures == 0
+        # the client returns on the first reply; the second request may still be on its way in
+        wait_until(lambda: len(live.seen) >= 2)
         assert live.seen[:2] == [7, 7]  # the fresh socket asked both outstanding requests again
-        live.stop.set()
-        live.join()
     finally:
         done.set()
+        for server in servers:  # every socket closed before ctx.term(), or term() waits forever
+            stop(server)
         t.join(5)
         client.close()
         ctx.term()
+
+
+def wait_until(condition: Callable[[], bool], seconds: float = 5.0) -> None:
+    deadline = time.monotonic() + seconds
+    while not condition() and time.monotonic() < deadline:
+        time.sleep(0.01)
+
+
+def stop(server: Server) -> None:
+    server.stop.set()
+    if server.is_alive():
+        server.join()
 
 
 def test_retries_used_up_returns_none() -> None:
