@@ -334,6 +334,7 @@ class Worker:
         self.model: Optional[OptionPolicy] = None
         self.version = -1
         self.seq = 0
+        self._started = time.monotonic()  # reset when run() starts; join_s in the "acting" line
         self.steps = 0
         self.episodes_done = 0
         self.recent_returns: Deque[float] = deque(maxlen=100)
@@ -378,8 +379,9 @@ class Worker:
         first = self.version < 0
         self.version = int(msg["version"])
         logs.set_version(self.version)
-        if first:
-            self.log.info("acting", version=self.version, learner_step=msg["step"], envs=self.N, T=self.T)
+        if first:  # join_s: from "worker starting" (envs built) to acting, the join latency operators watch
+            self.log.info("acting", version=self.version, learner_step=msg["step"], envs=self.N, T=self.T,
+                          join_s=round(time.monotonic() - self._started, 3))
         else:
             self.log.debug("new weights", version=self.version)
         return True
@@ -401,6 +403,7 @@ class Worker:
     def run(self, max_segments: Optional[int] = None) -> int:
         """Collect and send segments until stopped (or ``max_segments`` were produced);
         return segments made."""
+        self._started = time.monotonic()
         self.log.info(
             "worker starting", identity=self.identity, env=self.spec.env_id, envs=self.N, T=self.T,
             device=str(self.device), spec_hash=self.spec.hash,
@@ -497,14 +500,18 @@ class Worker:
         )
 
     def close(self) -> None:
-        """Flush queued segments for up to :data:`FLUSH_S`, report what could not be sent, close sockets."""
+        """Flush queued segments for up to :data:`FLUSH_S`, report what could not be sent, close sockets.
+
+        Segments counted as sent may still sit in ZeroMQ's outgoing queue (up to the socket's HWM);
+        the PUSH socket lingers for what is left of the budget so they reach the broker too."""
+        deadline = time.monotonic() + FLUSH_S
         unsent = self.sender.flush(FLUSH_S)
         left = self.sender.close()
         if unsent:
             self.log.warning("segments left unsent at exit", unsent=len(left), sent=self.sender.sent)
         self.session.close()
         self.weights.close()
-        self.push.close(linger=0)
+        self.push.close(linger=int(max(0.0, deadline - time.monotonic()) * 1000))
         if self._own_ctx:
             self.ctx.term()
 
