@@ -22,6 +22,7 @@ FAST = [
     "--set", "learner.epochs=2", "--set", "learner.minibatches=2", "--set", "log.status_s=1",
     "--set", "learner.checkpoint_s=5",
 ]
+STATUS_MS = 10000
 
 
 class Roles:
@@ -32,8 +33,9 @@ class Roles:
         self.ports = {k: free_port() for k in ("ingest_port", "serve_port", "publish_port", "learner_port")}
         self.procs: List[subprocess.Popen] = []
         self.ctx = zmq.Context()
-        self.broker = StatusClient(self.ctx, tcp("127.0.0.1", self.ports["serve_port"]))
-        self.learner = StatusClient(self.ctx, tcp("127.0.0.1", self.ports["learner_port"]))
+        # a generous reply timeout: a loaded machine can starve a role for a second or more
+        self.broker = StatusClient(self.ctx, tcp("127.0.0.1", self.ports["serve_port"]), STATUS_MS)
+        self.learner = StatusClient(self.ctx, tcp("127.0.0.1", self.ports["learner_port"]), STATUS_MS)
 
     def args(self) -> List[str]:
         out = list(FAST)
@@ -63,7 +65,7 @@ class Roles:
         stop_processes(self.procs, 15)
         self.broker.close()
         self.learner.close()
-        self.ctx.term()
+        self.ctx.destroy(linger=0)  # also closes a socket a failed test left open (term() would wait on it)
 
 
 @pytest.fixture
@@ -110,14 +112,9 @@ def test_roles_by_hand_train_together_and_a_late_worker_acts_on_current_weights(
     assert acting[0]["version"] >= joined_at, (
         "a joining worker must act on the current weights, not version 0"
     )
-    started = [e for e in log_lines(tmp_path / "worker1.log")
-               if e.get("event") == "waiting for learner weights" or e.get("event") == "envs ready"]
-    if started:
-        from datetime import datetime
-
-        t0 = datetime.fromisoformat(started[0]["timestamp"].replace("Z", "+00:00"))
-        t1 = datetime.fromisoformat(acting[0]["timestamp"].replace("Z", "+00:00"))
-        assert (t1 - t0).total_seconds() < 1.0
+    # measured by the worker itself: from "worker starting" (envs built) through the broker's welcome
+    # and the learner's snapshot to the first action
+    assert acting[0]["join_s"] < 1.0, acting[0]
 
     # every line of every role's log carries role, host, pid and version
     for name in ("broker", "learner", "worker0", "worker1"):
@@ -144,7 +141,7 @@ def test_train_leaves_a_run_dir_that_resume_continues(tmp_path: Path) -> None:
     assert list((run_dir / "tb").glob("events.out.tfevents.*"))
     first_version = summary["version"]
 
-    out = subprocess.run(base + ["--resume", "--time", "12"], capture_output=True, text=True, timeout=150)
+    out = subprocess.run(base + ["--resume", "--time", "20"], capture_output=True, text=True, timeout=150)
     assert out.returncode == 0, out.stdout + out.stderr
     resumed = json.loads((run_dir / "summary.json").read_text())
     assert resumed["version"] > first_version, "the version counter continues after --resume"
