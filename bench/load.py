@@ -53,13 +53,19 @@ def memory_bound_mib(
     return base_mib + (capacity + workers * hwm) * segment_bytes / 2**20
 
 
-def _pusher(ctx: zmq.Context, endpoint: str, idx: int, T: int, N: int, stop: Any, sent: Any) -> None:
+def _pusher(
+    ctx: zmq.Context, endpoint: str, idx: int, T: int, N: int, stop: Any, sent: Any, ready: Any, go: Any
+) -> None:
     sock = ctx.socket(zmq.PUSH)
     sock.setsockopt(zmq.SNDHWM, 8)
     sock.setsockopt(zmq.LINGER, 10000)  # what was sent is delivered before the socket goes
     sock.connect(endpoint)
     sock.send_multipart(make("hello", role="worker", identity=f"load{idx}", host="bench", pid=os.getpid(),
                              zclaw="0", spec=SPEC.to_dict()))
+    with ready.get_lock():
+        ready.value += 1
+    while not go.is_set() and not stop.is_set():  # the load starts together, on the run's clock
+        go.wait(0.05)
     arrays = segment_arrays(T, N)
     seq = 0
     while not stop.is_set():
@@ -75,10 +81,13 @@ def _pusher(ctx: zmq.Context, endpoint: str, idx: int, T: int, N: int, stop: Any
     sock.close()
 
 
-def _group(endpoint: str, ids: List[int], T: int, N: int, stop: Any, sent: Any) -> None:
+def _group(
+    endpoint: str, ids: List[int], T: int, N: int, stop: Any, sent: Any, ready: Any, go: Any
+) -> None:
     """One process of pushers (threads): the learner's process keeps its GIL to itself."""
     ctx = zmq.Context()
-    threads = [threading.Thread(target=_pusher, args=(ctx, endpoint, i, T, N, stop, sent)) for i in ids]
+    threads = [threading.Thread(target=_pusher, args=(ctx, endpoint, i, T, N, stop, sent, ready, go))
+               for i in ids]
     for t in threads:
         t.start()
     for t in threads:
@@ -101,16 +110,42 @@ def status(ctx: zmq.Context, port: int) -> Dict[str, Any]:
 
 def run(ingest_port: int, serve_port: int, broker_pid: int, seconds: float, workers: int = 32, T: int = 16,
         N: int = 4, batch: int = 4) -> Dict[str, Any]:
-    """Drive a running broker with ``workers`` pushers and one sampling learner for ``seconds``."""
+    """Drive a running broker with ``workers`` pushers and one sampling learner for ``seconds``.
+
+    The clock starts once every pusher has connected and said hello (spawned processes take seconds
+    to start on a loaded machine; those seconds are not load)."""
     ctx = zmq.Context()
     mpc = mp.get_context("spawn")
     stop = mpc.Event()
     sent = mpc.Array("q", workers)
+    ready, go = mpc.Value("i", 0), mpc.Event()
     endpoint = f"tcp://127.0.0.1:{ingest_port}"
-    procs = [mpc.Process(target=_group, args=(endpoint, list(range(g, workers, PROCESSES)), T, N, stop, sent),
-                         daemon=True) for g in range(min(PROCESSES, workers))]
+    groups = [list(range(g, workers, PROCESSES)) for g in range(min(PROCESSES, workers))]
+    procs = [mpc.Process(target=_group, args=(endpoint, ids, T, N, stop, sent, ready, go), daemon=True)
+             for ids in groups]
     for p in procs:
         p.start()
+    try:
+        seg_bytes = sum(v.nbytes for v in segment_arrays(T, N).values())
+        return _drive(ctx, serve_port, broker_pid, seconds, workers, batch, seg_bytes, procs, stop, sent,
+                      ready, go)
+    finally:
+        stop.set()  # also when the drive fails: no pusher outlives the run
+        for p in procs:
+            p.join(60)
+            if p.is_alive():
+                p.terminate()
+        ctx.destroy(linger=0)
+
+
+def _drive(ctx: zmq.Context, serve_port: int, broker_pid: int, seconds: float, workers: int, batch: int,
+           seg_bytes: int, procs: List[Any], stop: Any, sent: Any, ready: Any, go: Any) -> Dict[str, Any]:
+    deadline = time.monotonic() + 120
+    while ready.value < workers:
+        if time.monotonic() > deadline:
+            raise RuntimeError(f"only {ready.value} of {workers} pushers connected within 120 s")
+        time.sleep(0.05)
+    go.set()
     req = ctx.socket(zmq.REQ)
     req.setsockopt(zmq.LINGER, 0)
     req.connect(f"tcp://127.0.0.1:{serve_port}")
@@ -147,8 +182,6 @@ def run(ingest_port: int, serve_port: int, broker_pid: int, seconds: float, work
         rep = status(ctx, serve_port)
     rss.append(rss_mib(broker_pid))
     req.close()
-    ctx.term()
-    seg_bytes = sum(v.nbytes for v in segment_arrays(T, N).values())
     lat = np.array(latencies) * 1000 if latencies else np.array([np.nan])
     return {
         "workers": workers, "wall_s": wall, "sent": total, "sent_per_s": total / wall,
