@@ -19,7 +19,7 @@ FLOAT = r"[0-9]+\.[0-9]+"
 CASES = {
     "pipeline": (["--rounds", "1", "--seconds", "1", "--when-full", "wait", "--envs", "8", "--T", "16",
                   "--batch", "4"], rf"ratio pipeline / raw, broker\.when_full = wait: median {FLOAT}"),
-    "collect": (["--rounds", "1", "--window", "0.5", "--envs", "2", "--segment-length", "16"],
+    "collect": (["--rounds", "1", "--window", "1.5", "--envs", "2", "--segment-length", "16"],
                 rf"ratio worker / bare \(per round\) +{FLOAT}"),
     # a store big enough that each snapshot spans several of the bench's 50 ms samples; a host fast enough
     # to write it between two samples gets the bench's "n/a" line, which is still a finished run

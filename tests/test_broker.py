@@ -88,12 +88,16 @@ class BrokerProc:
         self.log = tempfile.TemporaryFile()
         self.proc = subprocess.Popen(args, stdout=self.log, stderr=subprocess.STDOUT)
         self.ctx = zmq.Context()
-        deadline = time.monotonic() + 20
-        while True:
-            assert self.proc.poll() is None, f"broker exited early:\n{self.output()}"
-            if self.request(make("status"), timeout_s=0.5, check=False) is not None:
-                break
-            assert time.monotonic() < deadline, f"broker did not answer status:\n{self.output()}"
+        try:  # a broker that fails to come up is killed here: no fixture holds it yet
+            deadline = time.monotonic() + 60
+            while True:
+                assert self.proc.poll() is None, f"broker exited early:\n{self.output()}"
+                if self.request(make("status"), timeout_s=0.5, check=False) is not None:
+                    break
+                assert time.monotonic() < deadline, f"broker did not answer status:\n{self.output()}"
+        except BaseException:
+            self.kill()
+            raise
 
     def output(self) -> str:
         self.log.seek(0)
@@ -134,19 +138,18 @@ class BrokerProc:
             assert time.monotonic() < deadline, f"timed out waiting for {what}; last report: {report}"
             time.sleep(0.02)
 
-    def stop(self) -> None:
-        """SIGTERM must make it exit 0 within 5 s."""
-        t0 = time.monotonic()
+    def stop(self, within: float = 15.0) -> None:
+        """SIGTERM must make it exit 0 within ``within`` s (a final snapshot, if configured, included;
+        slow on a loaded machine)."""
         self.proc.send_signal(signal.SIGTERM)
         try:
-            rc = self.proc.wait(timeout=5)
+            rc = self.proc.wait(timeout=within)
         except subprocess.TimeoutExpired:
             self.proc.kill()
             self.proc.wait()
-            pytest.fail(f"broker did not exit within 5 s of SIGTERM:\n{self.output()}")
+            pytest.fail(f"broker did not exit within {within} s of SIGTERM:\n{self.output()}")
         self.ctx.destroy(linger=0)
         assert rc == 0, f"broker exit code {rc}:\n{self.output()}"
-        assert time.monotonic() - t0 < 5
 
     def kill(self) -> None:
         if self.proc.poll() is None:

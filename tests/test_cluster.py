@@ -66,9 +66,18 @@ else
   exec "$@"
 fi
 """
+# broker and learner stay up until every worker task has run (10 s at most): when they exit, the script
+# stops the worker step, and on a loaded machine srun's stub may not have started all its tasks yet
 STUB_ZCLAW = """#!/usr/bin/env bash
 echo "zclaw $*" >> "$STUB_LOG"
-case "$1" in worker) exit 0;; *) sleep 0.5; exit 0;; esac
+case "$1" in
+  worker) exit 0;;
+  *) for _ in $(seq 100); do
+       [ "$(grep -c '^zclaw worker' "$STUB_LOG")" -ge "$STUB_WORKERS" ] && break
+       sleep 0.1
+     done
+     exit 0;;
+esac
 """
 
 
@@ -90,7 +99,7 @@ def test_contract_sbatch_puts_broker_and_learner_on_the_first_node_workers_on_th
     log = tmp_path / "calls.log"
     env = dict(os.environ, PATH=f"{bin_}:{os.environ['PATH']}", STUB_LOG=str(log), SLURM_JOB_ID="42",
                SLURM_JOB_NODELIST="node[1-3]", ZCLAW_BIN="zclaw-stub", ZCLAW_WORKERS_PER_NODE="2",
-               ZCLAW_RUN_DIR=str(tmp_path / "run"), ZCLAW_KEYS_DIR="/shared/keys")
+               ZCLAW_RUN_DIR=str(tmp_path / "run"), ZCLAW_KEYS_DIR="/shared/keys", STUB_WORKERS="4")
     out = subprocess.run(["bash", str(SBATCH)], env=env, capture_output=True, text=True, timeout=60)
     assert out.returncode == 0, out.stderr
     calls = log.read_text().splitlines()

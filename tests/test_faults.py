@@ -17,6 +17,7 @@ import pytest
 from test_e2e import Roles, log_lines
 
 from zclaw.broker import snapshot
+from zclaw.learner import checkpoint as ckpt
 
 pytestmark = pytest.mark.fault
 
@@ -103,13 +104,15 @@ def test_sigkill_worker_learner_and_broker_then_restart_and_the_run_goes_on(role
     # -- the learner is SIGKILLed: workers go on with the last weights, the broker keeps storing, bounded ---
     before = roles.learner.report()
     kill(learner)
+    on_disk = ckpt.load(run / "checkpoints")["version"]  # the last checkpoint written before the kill
     stored = roles.broker.report()["inserted_segments"]
     rep = roles.wait(roles.broker, lambda r: r["inserted_segments"] >= stored + 6, timeout=60)
     assert rep["fill"] <= rep["capacity"]
     learner2 = roles.start("learner", "--run-dir", str(run), "--resume", *o, name="learner2")
     resumed = wait_event(tmp_path / "learner2.log", "resumed", 90)
-    assert resumed["version"] <= before["version"], "resumed from the last checkpoint, not later"
-    # lost: the updates since the last checkpoint (learner.checkpoint_s = 2 s, plus the report's age)
+    assert resumed["version"] == on_disk, "resumed from the last checkpoint on disk"
+    # lost: the updates since the last checkpoint (learner.checkpoint_s = 2 s, plus the report's age; a
+    # checkpoint written after the report makes this negative)
     assert before["version"] - resumed["version"] <= math.ceil(3.5 * (before["updates_per_s"] or 0)) + 3
     roles.wait(roles.learner, lambda r: (r["version"] or 0) >= resumed["version"] + 3, timeout=90)
     # worker1 acted on version >= `resumed` before; it takes the new learner's (lower) versions anyway
@@ -125,9 +128,13 @@ def test_sigkill_worker_learner_and_broker_then_restart_and_the_run_goes_on(role
     broker2 = roles.start("broker", "--run-dir", str(run), *o, name="broker2")
     restored = wait_event(tmp_path / "broker2.log", "restored snapshot", 60)
     lost = at_kill - restored["inserted"]
-    # loss bound (docs/operations.md): the ingest of one snapshot interval plus one write; the report we
-    # compare against is itself up to ~0.5 s older than the kill
-    assert 0 <= lost <= math.ceil(seg_rate * (SNAPSHOT_S + 1.5)) + 4, (lost, seg_rate)
+    # loss bound (docs/operations.md): the ingest of one snapshot interval plus one write. The rate is a
+    # 10 s average (x2 for bursts on a loaded machine); the report is up to ~0.5 s older than the kill, and
+    # a snapshot taken after it can hold a little more than the report (lost < 0)
+    write_s = rep["snapshot"].get("last_seconds") or 0.0
+    slack = math.ceil(seg_rate * 0.5) + 2
+    bound = math.ceil(2 * seg_rate * (SNAPSHOT_S + write_s + 1.5)) + 4
+    assert -slack <= lost <= bound, (lost, seg_rate, write_s)
     print(f"\nbroker SIGKILL: {lost} segments lost of {at_kill} ({seg_rate:.0f} segments/s, snapshot every "
           f"{SNAPSHOT_S} s); learner SIGKILL: {before['version'] - resumed['version']} versions lost "
           f"({before['version']} -> resumed at {resumed['version']})")

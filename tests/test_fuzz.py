@@ -172,7 +172,7 @@ def push_all(sock: zmq.Socket, frames: Frames) -> None:
             sock.send_multipart(frames, zmq.NOBLOCK)
             return
         except zmq.Again:
-            assert sock.poll(5000, zmq.POLLOUT), "the broker stopped taking messages"
+            assert sock.poll(30000, zmq.POLLOUT), "the broker stopped taking messages"
 
 
 class Dealer:
@@ -204,6 +204,11 @@ class Dealer:
         assert frames[0] == b"", frames
         self.replies[parse(frames[1:]).kind] += 1
         self.outstanding -= 1
+
+    def receive(self, timeout_ms: int) -> None:
+        """Take one reply if it comes within ``timeout_ms``."""
+        if self.sock.poll(timeout_ms):
+            self._recv()
 
     def drain(self) -> None:
         while self.outstanding > 0:
@@ -302,12 +307,11 @@ def test_fuzz_broker_and_learner_drop_exactly_the_bad_and_keep_good_data(tmp_pat
 
         # ---------------------------------------------------------------- learner ROUTER via a DEALER
         ldealer = Dealer(ctx, learner_port)
-        deadline = time.monotonic() + 60
-        while True:  # its ROUTER is up once it answers status
-            ldealer.send([b""] + as_bytes(make("status")))
-            ldealer.drain()
-            if ldealer.replies["status"]:
-                break
+        # its ROUTER is up once it answers status: the DEALER holds the request until the learner binds
+        ldealer.send([b""] + as_bytes(make("status")))
+        deadline = time.monotonic() + 120
+        while not ldealer.replies["status"]:
+            ldealer.receive(1000)
             alive = learner.poll() is None
             assert time.monotonic() < deadline and alive, (tmp_path / "learner.log").read_text()
         for i, (name, frames) in enumerate(mut.stream(N_LEARNER)):

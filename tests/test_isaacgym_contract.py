@@ -219,9 +219,9 @@ def test_contract_zclaw_worker_imports_isaacgym_before_torch_and_trains_through_
         roles.start("worker", "--env", TASK, "--index", "0", name="worker0", env=env)
         rep = roles.wait(roles.broker,
                          lambda r: r.get("episodes", 0) > 0 and r.get("success_rate_100") is not None,
-                         timeout=60)
+                         timeout=180)
         assert rep["spec"]["env_id"] == TASK
-        rep = roles.wait(roles.learner, lambda r: (r.get("version") or 0) >= 2, timeout=60)
+        rep = roles.wait(roles.learner, lambda r: (r.get("version") or 0) >= 2, timeout=180)
     finally:
         roles.close()
     # the fake isaacgym refuses to load after torch: the worker only got there by importing it first.

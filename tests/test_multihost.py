@@ -34,8 +34,15 @@ def test_netns_cluster_trains_across_namespaces_with_curve(tmp_path: Path) -> No
     if why:
         pytest.skip(why)
     env = dict(os.environ, PYTHONUNBUFFERED="1")
-    out = subprocess.run([str(SCRIPT), "--time", "50", "--out", str(tmp_path), "--python", sys.executable],
-                         capture_output=True, text=True, timeout=120, env=env)
+    proc = subprocess.Popen([str(SCRIPT), "--time", "50", "--out", str(tmp_path), "--python", sys.executable],
+                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=env)
+    try:
+        stdout, stderr = proc.communicate(timeout=240)
+    except subprocess.TimeoutExpired:  # SIGTERM first: the script's exit trap removes its namespaces
+        proc.terminate()
+        stdout, stderr = proc.communicate(timeout=60)
+        pytest.fail(f"netns-cluster did not finish within 240 s:\n{stdout}\n{stderr}")
+    out = subprocess.CompletedProcess(proc.args, proc.returncode, stdout, stderr)
     if out.returncode == 3:
         pytest.skip(out.stderr.strip())
     lines = [ln for ln in out.stdout.splitlines() if ln.startswith("NETNS_CLUSTER_RESULT ")]

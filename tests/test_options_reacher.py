@@ -8,7 +8,6 @@ run, not with a fixed number.
 """
 from __future__ import annotations
 
-import time
 from typing import Dict, List, Tuple
 
 import numpy as np
@@ -103,10 +102,9 @@ def test_short_reacher_run_improves_on_the_random_policy(options: int, mode: str
     state = {"obs": env.reset(seed=0), "prev": torch.zeros(N, dtype=torch.long),
              "start": torch.ones(N, dtype=torch.bool)}
     before = mean_return(env, model, state, 64)
-    t0 = time.monotonic()
     version = 0
     train_returns: List[float] = []
-    while time.monotonic() - t0 < 45 and version < 150:
+    while version < 60:  # a fixed number of updates, not a time budget: a loaded machine trains as far
         segs = []
         for _ in range(2):
             a, r = collect(env, model, state, version)

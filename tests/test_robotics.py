@@ -112,7 +112,7 @@ def test_env_steps_through_a_worker_into_the_broker(name: str, extra: list, tmp_
         roles.start("worker", "--env", "gym:" + name, "--index", "0", *extra, name="worker0")
         rep = roles.wait(
             roles.broker, lambda r: r.get("episodes", 0) >= 4 and r.get("success_rate_100") is not None,
-            timeout=80
+            timeout=180
         )
         assert rep["spec"]["env_id"] == "gym:" + name
         assert 0.0 <= rep["success_rate_100"] <= 1.0

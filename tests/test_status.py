@@ -26,7 +26,7 @@ def status(roles: Roles, *extra: str) -> subprocess.CompletedProcess:
     p = roles.ports
     return subprocess.run(
         ZCLAW + ["status", "--broker", f"127.0.0.1:{p['serve_port']}",
-                 "--learner", f"127.0.0.1:{p['learner_port']}", *extra],
+                 "--learner", f"127.0.0.1:{p['learner_port']}", "--timeout", "10000", *extra],
         capture_output=True, text=True, timeout=60)
 
 

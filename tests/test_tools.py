@@ -20,10 +20,11 @@ ZCLAW = [sys.executable, "-m", "zclaw.cli"]
 
 @pytest.fixture(scope="module")
 def run_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
-    """A 12-second `zclaw train` run on Reacher with K = 2 options and a metrics line every second."""
+    """A 20-second `zclaw train` run (start-up included) on Reacher with K = 2 options and a metrics line
+    every second."""
     run = tmp_path_factory.mktemp("tools") / "run"
     out = subprocess.run(
-        ZCLAW + ["train", "--run-dir", str(run), "--time", "12", "--set", "policy.options=2",
+        ZCLAW + ["train", "--run-dir", str(run), "--time", "20", "--set", "policy.options=2",
                  "--set", "log.metrics_s=1"] + FAST, capture_output=True, text=True, timeout=150)
     assert out.returncode == 0, out.stdout + out.stderr
     return run

@@ -91,7 +91,8 @@ class StandInLearner:
 
     def close(self) -> None:
         self._stop.set()
-        self._thread.join(2)
+        self._thread.join(10)
+        assert not self._thread.is_alive(), "the stand-in's thread still uses its sockets"
         self.pub.close(0)
         self.router.close(0)
 
@@ -139,8 +140,9 @@ class WorkerProcess:
             time.sleep(0.05)
         raise AssertionError(f"no {name!r} log line within {timeout} s:\n{''.join(self.lines[-30:])}")
 
-    def terminate(self, within: float = 5.0) -> int:
-        start = time.monotonic()
+    def terminate(self, within: float = 10.0) -> int:
+        """SIGTERM; the worker must exit within ``within`` s (its flush is bounded by 1 s; the rest is
+        interpreter and env teardown, slow on a loaded machine); returns its exit code."""
         self.proc.send_signal(signal.SIGTERM)
         try:
             rc = self.proc.wait(within)
@@ -149,7 +151,6 @@ class WorkerProcess:
             self.proc.wait()
             raise AssertionError(f"worker did not exit within {within} s of SIGTERM")
         self._reader.join(2)
-        assert time.monotonic() - start < within
         return rc
 
     def kill(self) -> None:
@@ -206,7 +207,8 @@ def test_worker_hello_segments_and_versions(spec: EnvSpec) -> None:
         truncations = 0
         episodes = []
         prev_seq = 1
-        for _ in range(60):
+        deadline = time.monotonic() + 60  # segments made before the publish may still be queued: wait
+        while time.monotonic() < deadline:
             s = next_segment(pull)
             _, _, M = segment_dims(s, spec)
             assert s["seq"] == prev_seq + 1
@@ -229,7 +231,7 @@ def test_worker_hello_segments_and_versions(spec: EnvSpec) -> None:
         assert seen_new, "published version 9 never reached the worker"
         assert truncations >= N and len(episodes) == truncations
         assert all(ep["length"] == 50 for ep in episodes)
-        assert w.terminate(5.0) == 0
+        assert w.terminate() == 0
     finally:
         w.kill()
         learner.close()
@@ -270,7 +272,10 @@ def test_worker_waits_then_backpressure_then_delivers_in_order(spec: EnvSpec) ->
 
         bp = w.wait_event("backpressure", 30)
         assert bp["queued"] <= capacity and bp["capacity"] == capacity
-        time.sleep(1.0)  # blocked: the worker must not make (and hold) more segments meanwhile
+        # blocked: the worker must not make (and hold) more segments while two status lines go by
+        deadline = time.monotonic() + 15
+        while len([r for r in w.events("status") if r["blocked_s"] > 0]) < 2 and time.monotonic() < deadline:
+            time.sleep(0.05)
         blocked = [r for r in w.events("status") if r["blocked_s"] > 0]
         assert len(blocked) >= 2, w.lines[-20:]
         assert all(r["queued"] <= capacity for r in w.events("status"))
@@ -287,7 +292,7 @@ def test_worker_waits_then_backpressure_then_delivers_in_order(spec: EnvSpec) ->
             segment_dims(s, spec)
             seqs.append(s["seq"])
         assert seqs == list(range(len(seqs))), seqs  # none lost, none reordered
-        assert w.terminate(5.0) == 0
+        assert w.terminate() == 0
     finally:
         w.kill()
         if learner is not None:
