@@ -108,44 +108,65 @@ def status(ctx: zmq.Context, port: int) -> Dict[str, Any]:
         s.close()
 
 
-def run(ingest_port: int, serve_port: int, broker_pid: int, seconds: float, workers: int = 32, T: int = 16,
-        N: int = 4, batch: int = 4) -> Dict[str, Any]:
-    """Drive a running broker with ``workers`` pushers and one sampling learner for ``seconds``.
+class Pushers:
+    """``workers`` pushers in PROCESSES spawned processes; a context manager that reaps them on exit.
 
-    The clock starts once every pusher has connected and said hello (spawned processes take seconds
-    to start on a loaded machine; those seconds are not load)."""
-    ctx = zmq.Context()
-    mpc = mp.get_context("spawn")
-    stop = mpc.Event()
-    sent = mpc.Array("q", workers)
-    ready, go = mpc.Value("i", 0), mpc.Event()
-    endpoint = f"tcp://127.0.0.1:{ingest_port}"
-    groups = [list(range(g, workers, PROCESSES)) for g in range(min(PROCESSES, workers))]
-    procs = [mpc.Process(target=_group, args=(endpoint, ids, T, N, stop, sent, ready, go), daemon=True)
-             for ids in groups]
-    for p in procs:
-        p.start()
-    try:
-        seg_bytes = sum(v.nbytes for v in segment_arrays(T, N).values())
-        return _drive(ctx, serve_port, broker_pid, seconds, workers, batch, seg_bytes, procs, stop, sent,
-                      ready, go)
-    finally:
-        stop.set()  # also when the drive fails: no pusher outlives the run
-        for p in procs:
+    They connect and say hello first, then wait for :meth:`go`, so the load starts on the run's clock
+    (spawned processes take seconds to start on a loaded machine; those seconds are not load)."""
+
+    def __init__(self, ingest_port: int, workers: int, T: int, N: int) -> None:
+        mpc = mp.get_context("spawn")
+        self.workers = workers
+        self._stop, self._go = mpc.Event(), mpc.Event()
+        self._sent, self._ready = mpc.Array("q", workers), mpc.Value("i", 0)
+        endpoint = f"tcp://127.0.0.1:{ingest_port}"
+        groups = [list(range(g, workers, PROCESSES)) for g in range(min(PROCESSES, workers))]
+        self._procs = [mpc.Process(target=_group, daemon=True, args=(
+            endpoint, ids, T, N, self._stop, self._sent, self._ready, self._go)) for ids in groups]
+        for p in self._procs:
+            p.start()
+
+    def go(self, timeout_s: float = 120) -> None:
+        """Wait until every pusher has said hello, then release them all."""
+        deadline = time.monotonic() + timeout_s
+        while self._ready.value < self.workers:
+            if time.monotonic() > deadline:
+                raise RuntimeError(f"only {self._ready.value} of {self.workers} pushers connected within "
+                                   f"{timeout_s:.0f} s")
+            time.sleep(0.05)
+        self._go.set()
+
+    def stop(self) -> int:
+        """Stop and reap every pusher; return the segments they sent in all."""
+        self._stop.set()
+        for p in self._procs:
             p.join(60)
             if p.is_alive():
                 p.terminate()
+        return sum(self._sent[:])
+
+    def __enter__(self) -> "Pushers":
+        return self
+
+    def __exit__(self, *exc: Any) -> None:
+        self.stop()  # also when the run fails: no pusher outlives it
+
+
+def run(ingest_port: int, serve_port: int, broker_pid: int, seconds: float, workers: int = 32, T: int = 16,
+        N: int = 4, batch: int = 4) -> Dict[str, Any]:
+    """Drive a running broker with ``workers`` pushers and one sampling learner for ``seconds`` (the clock
+    starts once every pusher has connected)."""
+    ctx = zmq.Context()
+    try:
+        with Pushers(ingest_port, workers, T, N) as pushers:
+            pushers.go()
+            return _sample_under_load(ctx, serve_port, broker_pid, seconds, batch, pushers, T, N)
+    finally:
         ctx.destroy(linger=0)
 
 
-def _drive(ctx: zmq.Context, serve_port: int, broker_pid: int, seconds: float, workers: int, batch: int,
-           seg_bytes: int, procs: List[Any], stop: Any, sent: Any, ready: Any, go: Any) -> Dict[str, Any]:
-    deadline = time.monotonic() + 120
-    while ready.value < workers:
-        if time.monotonic() > deadline:
-            raise RuntimeError(f"only {ready.value} of {workers} pushers connected within 120 s")
-        time.sleep(0.05)
-    go.set()
+def _sample_under_load(ctx: zmq.Context, serve_port: int, broker_pid: int, seconds: float, batch: int,
+                       pushers: Pushers, T: int, N: int) -> Dict[str, Any]:
     req = ctx.socket(zmq.REQ)
     req.setsockopt(zmq.LINGER, 0)
     req.connect(f"tcp://127.0.0.1:{serve_port}")
@@ -170,10 +191,7 @@ def _drive(ctx: zmq.Context, serve_port: int, broker_pid: int, seconds: float, w
             rss.append(rss_mib(broker_pid))
             next_rss = t + 0.2
     wall = time.perf_counter() - t0
-    stop.set()
-    for p in procs:
-        p.join(60)
-    total = sum(sent[:])
+    total = pushers.stop()
     deadline = time.monotonic() + 60
     rep = status(ctx, serve_port)
     while rep["inserted_segments"] < total and time.monotonic() < deadline:  # nothing is lost on PUSH/PULL:
@@ -182,6 +200,8 @@ def _drive(ctx: zmq.Context, serve_port: int, broker_pid: int, seconds: float, w
         rep = status(ctx, serve_port)
     rss.append(rss_mib(broker_pid))
     req.close()
+    seg_bytes = sum(v.nbytes for v in segment_arrays(T, N).values())
+    workers = pushers.workers
     lat = np.array(latencies) * 1000 if latencies else np.array([np.nan])
     return {
         "workers": workers, "wall_s": wall, "sent": total, "sent_per_s": total / wall,
