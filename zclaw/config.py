@@ -85,6 +85,10 @@ SCHEMA: Dict[str, Dict[str, Key]] = {
         "time": Key(0.0, "stop `zclaw train` after this many seconds of wall time (0: no limit)", min=0),
         "workers": Key(1, "worker processes `zclaw train` starts", min=1, max=256),
         "run_dir": Key("runs/{time}", "run directory; {time} is replaced by the start time"),
+        "stop_grace_s": Key(60.0, "`zclaw train`: seconds from Ctrl-C/SIGTERM (or the end of the run) until "
+                            "every role has exited; what still runs then is SIGKILLed", min=5),
+        "restarts": Key(3, "`zclaw train`: restarts allowed per role process (broker on its snapshot, "
+                        "learner with --resume, workers) before a crash ends the run", min=0),
     },
     "network": {
         "broker_host": Key("127.0.0.1", "host the broker binds, and that others connect to"),
@@ -108,6 +112,11 @@ SCHEMA: Dict[str, Dict[str, Key]] = {
         "gpu": Key(-1, "device of inference and of GPU simulators: -1 for CPU, N for cuda:N (isaacgym: sim "
                    "device, rl device and graphics device id N)", min=-1),
         "threads": Key(1, "torch CPU threads per worker", min=1),
+        "request_rate": Key(20.0, "snapshot and status requests per second each client may make of the "
+                            "learner ROUTER on average (a token bucket; beyond it the answer is retry)",
+                            min=0.1),
+        "request_burst": Key(40.0, "requests a client may make at once before learner.request_rate applies",
+                             min=1),
         "vectorize": Key(
             "loop", "gym: backend: step the envs in a loop in the worker, or in subprocesses (slow envs such "
             "as Fetch and ShadowHand, ~1k steps/s per core)", choices=("loop", "subprocess"),
@@ -115,6 +124,11 @@ SCHEMA: Dict[str, Dict[str, Key]] = {
         "env_processes": Key(0, "subprocesses for worker.vectorize = subprocess (0: one per "
                              "CPU core, at most envs)",
                              min=0),
+        "max_abs_obs": Key(1e6, "an episode whose observation has an element beyond +-this (or not finite) "
+                           "is ended as a truncation and counted (a simulator that blew up); MuJoCo "
+                           "velocities reach hundreds, so 1e6 leaves real tasks alone", min=1),
+        "max_abs_reward": Key(1e6, "an episode whose reward is beyond +-this (or not finite) is ended as a "
+                              "truncation and counted; task rewards are O(1)-O(1e3) per step", min=1),
     },
     "broker": {
         "capacity": Key(64, "segments the store holds (preallocated ring)", min=1),

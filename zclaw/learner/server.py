@@ -6,7 +6,9 @@ Sockets (config ``[network]``)::
     PUB  <- publish_port                 every new version, packed single frame (workers use CONFLATE)
     ROUTER <- learner_port               snapshot (ZeroMQ guide's Clone pattern) and status, served from
                                          a background thread so it answers while the main thread trains;
-                                         a snapshot for another env spec is answered ``refused``
+                                         a snapshot for another env spec is answered ``refused``; each
+                                         client identity has a token bucket (learner.request_rate /
+                                         request_burst): over it, the answer is ``retry``
 
 Loop, as ``docs`` and every role assume it::
 
@@ -50,6 +52,7 @@ from ..wire import (
 )
 from ..wire.messages import batch_dims
 from ..wire.sockets import CurveServer, term_context
+from ..tokens import TokenBucket
 from ..config import ConfigError
 from ..security import Security
 from . import checkpoint as ckpt
@@ -59,6 +62,22 @@ PUB_HWM = 4  # weights messages are large and only the newest matters: never que
 RATE_WINDOW_S = 30.0
 #: how long the metrics line waits for the broker's status (one try; the last report is kept otherwise)
 STATUS_TIMEOUT_MS = 500
+#: the service thread logs a request that raised at most once per this many seconds (all are counted)
+ERROR_LOG_S = 10.0
+#: client identities the ROUTER's token buckets track (least recently seen evicted beyond that)
+MAX_CLIENTS = 4096
+
+
+def loop_report(last_answer: Optional[float], answered: int, errors: int) -> Dict[str, Any]:
+    """One service loop's entry in a status report's ``loops`` map (the broker's report has the same):
+    ``last_answer_unix`` (wall time of its last answer before this report; None: none yet),
+    ``last_answer_age_s``, ``answered`` and ``errors`` (requests whose handling raised)."""
+    return {
+        "last_answer_unix": None if last_answer is None else round(last_answer, 3),
+        "last_answer_age_s": None if last_answer is None else round(max(0.0, time.time() - last_answer), 3),
+        "answered": int(answered),
+        "errors": int(errors),
+    }
 
 
 class _Service(threading.Thread):
@@ -67,11 +86,21 @@ class _Service(threading.Thread):
     ZeroMQ sockets are not thread-safe, so this thread creates, uses and closes its socket itself; it
     only reads ``weights`` (packed bytes) and ``report`` (a dict), which the main thread replaces with
     single attribute assignments (atomic in CPython), never mutates in place.
+
+    The loop cannot die of one request: whatever handling a request raises is counted under
+    ``handler_error`` (and in ``loops``), logged with its traceback at most once per
+    :data:`ERROR_LOG_S`, and answered ``error``; the loop goes on. Why: it is the only way a joining
+    worker gets weights, and one bad request must not cost every later worker its join.
+
+    Fair service: before a request is even parsed, its client identity takes a token from a
+    :class:`zclaw.tokens.TokenBucket` (``rate`` per second, ``burst``); without one the answer is a
+    ``retry`` naming how long to wait, counted as ``rate_limited``. The snapshot answer is one cached
+    ``zmq.Frame`` per published version, so a snapshot costs the send and nothing else.
     """
 
     def __init__(
         self, ctx: zmq.Context, host: str, port: int, max_bytes: int, log: Any, stop: threading.Event,
-        curve: Optional[CurveServer] = None,
+        curve: Optional[CurveServer] = None, rate: float = 20.0, burst: float = 40.0,
     ) -> None:
         super().__init__(name="learner-service", daemon=True)
         self.ctx, self.host, self.port, self.max_bytes = ctx, host, port, max_bytes
@@ -88,6 +117,13 @@ class _Service(threading.Thread):
         #: this learner process; in every weights message, so workers tell a restarted learner apart
         self.identity = f"learner-{socket.gethostname()}-{os.getpid()}-{int(time.time())}"
         self.served: Counter = Counter()  # requests answered, by kind (status, snapshot)
+        self.bucket = TokenBucket(rate, burst, max_identities=MAX_CLIENTS)
+        self.answered = 0
+        self.errors = 0
+        self.last_answer: Optional[float] = None  # wall time of the last answer sent
+        self._error_logged = -ERROR_LOG_S
+        self._frame: Optional[zmq.Frame] = None  # the snapshot answer of ...
+        self._frame_of: Optional[bytes] = None  # ... this weights message
 
     def run(self) -> None:
         sock = make_socket(self.ctx, zmq.ROUTER, max_message_bytes=self.max_bytes, curve=self.curve)
@@ -101,25 +137,61 @@ class _Service(threading.Thread):
         self.ready.set()
         try:
             while not self.stop.is_set():
-                if not sock.poll(100, zmq.POLLIN):
-                    continue
-                frames = sock.recv_multipart()
                 try:
-                    cut = frames.index(b"")  # REQ envelope: [identity..., b"", body...]
-                except ValueError:
-                    self.drops.drop("no_envelope")
-                    continue
-                envelope, body = frames[: cut + 1], frames[cut + 1 :]
-                sock.send_multipart(envelope + self._answer(body), copy=False)
+                    if not sock.poll(100, zmq.POLLIN):
+                        continue
+                    self._serve_one(sock)
+                except zmq.ContextTerminated:
+                    break
+                except Exception as exc:  # a receive or send that failed: counted, and the loop goes on
+                    self._failed("service_error", exc)
         finally:
             sock.close(linger=0)
 
-    def _answer(self, body: List[bytes]) -> List[Any]:
+    def _serve_one(self, sock: zmq.Socket) -> None:
+        """Receive one request and send its answer; nothing one request does escapes as an exception
+        except a failed receive/send (the caller counts those)."""
+        frames = sock.recv_multipart()
+        try:
+            cut = frames.index(b"")  # REQ envelope: [identity..., b"", body...]
+        except ValueError:
+            self.drops.drop("no_envelope")
+            return
+        envelope, body = frames[: cut + 1], frames[cut + 1 :]
+        try:
+            answer = self._answer(b"".join(envelope[:-1]), body)
+        except Exception as exc:  # a bug or an input nobody foresaw: this request only, never the loop
+            self._failed("handler_error", exc)
+            answer = make("error", reason="the learner could not handle this request (counted as "
+                                          "handler_error)")
+        sock.send_multipart(envelope + answer, copy=False)
+        self.answered += 1
+        self.last_answer = time.time()
+
+    def _failed(self, cause: str, exc: BaseException) -> None:
+        """Count a request whose handling raised; its traceback is logged at most once per ERROR_LOG_S."""
+        self.errors += 1
+        self.drops.drop(cause, f"{type(exc).__name__}: {exc}")
+        now = time.monotonic()
+        if now - self._error_logged >= ERROR_LOG_S:
+            self._error_logged = now
+            self.log.error("learner service: a request raised; counted, the service goes on", cause=cause,
+                           error=f"{type(exc).__name__}: {str(exc)[:200]}", errors=self.errors, exc_info=True)
+
+    def loops(self) -> Dict[str, Any]:
+        """This thread's entry for the status report's ``loops`` map."""
+        return {"learner-router": loop_report(self.last_answer, self.answered, self.errors)}
+
+    def _answer(self, client: bytes, body: List[bytes]) -> List[Any]:
+        wait = self.bucket.take(client, time.monotonic())
+        if wait is not None:  # over its token bucket: a cheap "ask again later", before any parsing
+            self.drops.drop("rate_limited", f"client {client.hex()[:16]}")
+            return make("retry", reason="rate_limited", retry_ms=max(1, int(math.ceil(wait * 1000))))
         try:
             msg = parse(body, ("snapshot", "status"))
         except WireError as exc:
             self.drops.drop(exc.cause, str(exc))
-            return make("error", reason=f"not understood: {exc}")
+            return make("error", reason=f"not understood: {exc}"[:500])
         self.served[msg.kind] += 1
         if msg.kind == "status":
             report = dict(self.report)
@@ -127,6 +199,7 @@ class _Service(threading.Thread):
             report["request_drops"] = self.drops.as_dict()  # what this ROUTER dropped, by cause
             report["requests_served"] = dict(self.served)
             report["identity"] = self.identity
+            report["loops"] = dict(report.get("loops") or {}, **self.loops())
             return make("status", report=report, role="learner")
         weights = self.weights
         if weights is None:
@@ -136,7 +209,9 @@ class _Service(threading.Thread):
             self.drops.drop("refused_bad_spec", f"snapshot for spec {want}")
             return make("refused", cause="bad_spec",
                         reason=f"env spec {want} differs from the learner's {self.spec_hash}")
-        return [weights]
+        if self._frame_of is not weights:  # once per published version, not once per request
+            self._frame, self._frame_of = zmq.Frame(weights), weights
+        return [self._frame]
 
 
 class Learner:
@@ -184,6 +259,7 @@ class Learner:
         self.refused: Optional[str] = None  # why the broker refused us, if it did
         self.options: Optional[Dict[str, Any]] = None  # OptionHealth.summary of the latest update
         self.broker_report: Optional[Dict[str, Any]] = None  # the broker's last status (metrics.jsonl, TB)
+        self.last_update: Optional[float] = None  # wall time of the last update (the "train" loop's answer)
 
     # -- setup ------------------------------------------------------------------------------------------
     def _bind_host(self, host: str) -> str:
@@ -200,7 +276,8 @@ class Learner:
         except zmq.ZMQError as exc:
             return f"cannot bind learner PUB on {tcp(host, self.net['publish_port'])}: {exc}"
         self.service = _Service(self.ctx, host, int(self.net["learner_port"]), max_bytes, self.log, self.stop,
-                                curve=self.security.server())
+                                curve=self.security.server(), rate=float(self.lcfg["request_rate"]),
+                                burst=float(self.lcfg["request_burst"]))
         self.service.start()
         self.service.ready.wait(10)
         if self.service.error:
@@ -259,6 +336,7 @@ class Learner:
             self.version = 0
         else:
             ckpt.restore(state, self.model, self.trainer.optimizer)
+            self.trainer.load_state_dict(state.get("trainer"))
             self.version = int(state["version"])
             self.updates = int(state["updates"])
             self.steps_consumed = int(state["steps_consumed"])
@@ -323,6 +401,10 @@ class Learner:
             "retries": dict(self.retries),
             "drops": self.drops.as_dict(),
             "options": self.options,
+            # the broker status asks of the metrics line that got no usable answer, by cause
+            "broker_status_drops": dict(self.broker_status.drops) if self.broker_status is not None else {},
+            "loops": {"learner-train": loop_report(self.last_update, self.updates, self.drops.counts.get(
+                "train_error", 0))},
         })
 
     def _report(self, **extra: Any) -> None:
@@ -432,6 +514,7 @@ class Learner:
             self.prio_keys = list(reply["keys"])
             self.prios = [float(p) if math.isfinite(p) else 0.0 for p in metrics["priorities"]]
             self._record(reply, metrics, time.monotonic() - t0)
+            self.last_update = time.time()
             self.publish()
 
     def write_metrics(self, ask_broker: bool) -> None:
@@ -508,7 +591,7 @@ class Learner:
                 self.ckpt_dir, self.model, self.trainer.optimizer, version=int(self.version),
                 updates=self.updates,
                 steps_consumed=self.steps_consumed, config=self.cfg, spec=self.spec.to_dict(),
-                extra={"returns_100": list(self.returns)},
+                extra={"returns_100": list(self.returns)}, trainer=self.trainer.state_dict(),
             )
         except OSError as exc:  # a full disk must not kill training; say so loudly
             self.log.error("checkpoint failed", error=str(exc), dir=str(self.ckpt_dir))

@@ -27,6 +27,8 @@ from .messages import parse
 from .protocol import Frame, Message, WireError
 
 DEFAULT_MAX_MESSAGE_BYTES = 256 << 20
+#: a client logs undecodable replies at most once per this many seconds (they are counted in ``drops``)
+BAD_REPLY_LOG_S = 10.0
 #: the ZAP domain of every zclaw server socket (the authenticator's allowlist is registered for it)
 ZAP_DOMAIN = "zclaw"
 
@@ -202,7 +204,9 @@ class LazyPirate:
     A REQ socket whose peer died stays stuck waiting for a reply forever, so on each timeout the
     socket is thrown away and a fresh one sends the request again, with a growing backoff. With
     ``retries=None`` it retries until ``stop()`` returns True (the learner must outlive a broker
-    restart); otherwise :meth:`request` returns None after that many failed tries.
+    restart); otherwise :meth:`request` returns None after that many failed tries. A reply that cannot
+    be decoded is a failed try too (counted in ``drops`` by cause, logged at most once per
+    :data:`BAD_REPLY_LOG_S`), so ``retries=0`` means one question whatever the server answers.
     """
 
     def __init__(
@@ -229,7 +233,8 @@ class LazyPirate:
         self.configure = configure
         self.sock: Optional[zmq.Socket] = None
         self.failures = 0  # consecutive timeouts, for callers' reports
-        self.drops = Counter()
+        self.drops: Counter = Counter()  # replies that could not be decoded, by cause
+        self._bad_logged = -BAD_REPLY_LOG_S
 
     socket_type = zmq.REQ
 
@@ -263,16 +268,24 @@ class LazyPirate:
                 self.failures = 0
                 try:
                     return parse(reply, kinds)
-                except WireError as exc:  # a broken reply: count it and ask again on a fresh socket
-                    self.drops[exc.cause] += 1
-                    if self.log is not None:
-                        self.log.warning("bad reply", endpoint=self.endpoint, error=str(exc))
-                    self.close()
-                    continue
+                except WireError as exc:  # a broken reply: counted, and it uses up one try like a timeout
+                    self._bad_reply(exc)
             attempt += 1
             if not self._after_timeout(attempt, stop):
                 return None
         return None
+
+    def _bad_reply(self, exc: WireError) -> None:
+        """Count a reply that cannot be decoded under its cause; log at most once per
+        :data:`BAD_REPLY_LOG_S`. The caller then treats it as a failed try (fresh socket, backoff,
+        ``retries``): a server whose every answer is undecodable (e.g. a status report grown past the
+        decoder's cap) must cost a bounded number of tries, never a tight loop of re-asks."""
+        self.drops[exc.cause] += 1
+        now = time.monotonic()
+        if self.log is not None and now - self._bad_logged >= BAD_REPLY_LOG_S:
+            self._bad_logged = now
+            self.log.warning("bad reply", endpoint=self.endpoint, error=str(exc)[:200],
+                             drops=dict(self.drops))
 
     def _after_timeout(self, attempt: int, stop: Callable[[], bool]) -> bool:
         """Throw the socket away and back off; False when ``retries`` are used up."""
@@ -345,9 +358,7 @@ class CreditPirate(LazyPirate):
                         raise WireError("malformed", "reply lacks the empty delimiter frame")
                     return parse(reply[1:], kinds)
                 except WireError as exc:
-                    self.drops[exc.cause] += 1
-                    if self.log is not None:
-                        self.log.warning("bad reply", endpoint=self.endpoint, error=str(exc))
+                    self._bad_reply(exc)
                     continue
             attempt += 1
             if not self._after_timeout(attempt, stop):
