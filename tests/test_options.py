@@ -12,7 +12,7 @@ import pytest
 import torch
 
 from zclaw.learner import checkpoint as ckpt
-from zclaw.learner.trainer import Trainer
+from zclaw.learner.trainer import PreparedBatch, Trainer
 from zclaw.policy import losses
 from zclaw.policy.health import OptionHealth
 from zclaw.policy.networks import OptionPolicy, PolicyConfig
@@ -38,18 +38,18 @@ def random_batch(spec, rng, B=2, T=6, N=3, K=1, version=0) -> Dict[str, np.ndarr
 
 # -- K = 1 is the existing asynchronous PPO learner ---------------------------------------------------
 
-def reference_ppo_update(model: OptionPolicy, opt: torch.optim.Optimizer, p: dict,
+def reference_ppo_update(model: OptionPolicy, opt: torch.optim.Optimizer, p: PreparedBatch,
                          c: dict) -> Dict[str, float]:
     """The flat asynchronous-PPO update as the learner did it before options existed (V-trace
     advantages, PPO-clip, value loss, Gaussian entropy), written out independently of the Trainer."""
-    T = p["values"].shape[0]
-    S = p["values"].numel()
-    x = p["x"][:T].reshape(S, -1)
-    act = p["action"].reshape(S, -1)
-    mu = p["logp_mu"].reshape(S)
-    adv_all = p["adv"].reshape(S)
-    vs = p["vs"].reshape(S)
-    w = p["weight"].reshape(S)
+    T = p.values.shape[0]
+    S = p.values.numel()
+    x = p.x[:T].reshape(S, -1)
+    act = p.action.reshape(S, -1)
+    mu = p.logp_mu.reshape(S)
+    adv_all = p.adv.reshape(S)
+    vs = p.vs.reshape(S)
+    w = p.weight.reshape(S)
     out = {"policy": 0.0, "value": 0.0}
     n = 0
     for _ in range(c["epochs"]):
@@ -88,7 +88,9 @@ def test_k1_is_exactly_flat_ppo_same_losses_and_parameters(mode: str, eps: float
         model = OptionPolicy(replace(model.cfg, option_epsilon=eps))
     ref = copy.deepcopy(model)
     # target_kl off: the equivalence is of the losses and the step, not of the early-stopping rule
+    # reward_scale off: the reference below predates it (tests/test_reward_scale.py covers the scaler)
     c = learner_cfg(epochs=2, minibatches=3, ent_coef=0.01, mode=mode, target_kl=0.0, master_ent_coef=0.1,
+                    reward_scale="off",
                     termination_coef=1.0, deliberation_cost=0.5, option_weights=True)
     trainer = Trainer(model, c, "cpu")
     a = random_batch(spec, rng, K=1, version=3)
@@ -97,10 +99,10 @@ def test_k1_is_exactly_flat_ppo_same_losses_and_parameters(mode: str, eps: float
     with torch.no_grad():  # the targets from the reference network (no option terms anywhere)
         p_ref = Trainer(copy.deepcopy(ref), c, "cpu").prepare(msg, 4, update_norm=False)
     # the option-level advantages vanish and the intra-option advantage is V-trace's
-    vs, pg_adv = losses.vtrace(p_ref["values"], p_ref["bootstrap"], p_ref["rewards"], p_ref["discounts"],
-                               p_ref["log_rhos"], 1.0, 1.0, lam=c["lam"])
-    torch.testing.assert_close(p_ref["adv"], pg_adv)
-    assert float(p_ref["log_rho_option"].abs().max()) == 0.0
+    vs, pg_adv = losses.vtrace(p_ref.values, p_ref.bootstrap, p_ref.rewards, p_ref.discounts,
+                               p_ref.log_rhos, 1.0, 1.0, lam=c["lam"])
+    torch.testing.assert_close(p_ref.adv, pg_adv)
+    assert float(p_ref.log_rho_option.abs().max()) == 0.0
 
     main = [q for n, q in ref.named_parameters() if not n.startswith("student")]
     opt = torch.optim.Adam(main, lr=c["lr"], eps=1e-5)
@@ -192,7 +194,7 @@ def test_termination_is_evaluated_at_the_next_state() -> None:
         a["option"][0, :, 0] = [0, 0, 1, 1]
         a["option_start"][0, :, 0] = [False, False, True, False]
         p = trainer.prepare(batch_message(spec, a), 0, update_norm=False)
-        x = p["x"][:, 0]
+        x = p.x[:, 0]
         prev = torch.tensor([0, 0, 0, 1])
         with torch.no_grad():
             at_next = model.call_and_return_logits(x[:T], prev, torch.zeros(T, dtype=torch.bool))
@@ -201,16 +203,16 @@ def test_termination_is_evaluated_at_the_next_state() -> None:
         o = torch.tensor([0, 0, 1, 1])
         want = at_next.gather(-1, o.unsqueeze(-1)).squeeze(-1)
         wrong = at_prev.gather(-1, o.unsqueeze(-1)).squeeze(-1)
-        got = p["log_rho_option"][:, 0]  # behaviour log-prob was 0, so this is log pi_hat
+        got = p.log_rho_option[:, 0]  # behaviour log-prob was 0, so this is log pi_hat
         torch.testing.assert_close(got, want)
         assert float((got[1:] - wrong[1:]).abs().max()) > 0.5
-        assert torch.equal(p["prev_option"][:, 0], prev) and bool(p["known"].all())
+        assert torch.equal(p.prev_option[:, 0], prev) and bool(p.known.all())
         if mode == "ppoc":
             with torch.no_grad():
                 q = model.q(x[:T])
                 v = (q * torch.softmax(model.master_logits(x[:T]), -1)).sum(-1)
-            torch.testing.assert_close(p["q_prev"][:, 0], q.gather(-1, prev.unsqueeze(-1)).squeeze(-1))
-            torch.testing.assert_close(p["v"][:, 0], v)
+            torch.testing.assert_close(p.q_prev[:, 0], q.gather(-1, prev.unsqueeze(-1)).squeeze(-1))
+            torch.testing.assert_close(p.v[:, 0], v)
 
 
 def test_option_context_at_the_segment_edge() -> None:
@@ -237,18 +239,18 @@ def test_importance_weights_are_truncated_as_configured(rho_bar: float) -> None:
     a["logp_option"][:, :3] = -5.0
     p = trainer.prepare(batch_message(spec, a), 0, update_norm=False)
     with torch.no_grad():
-        logp_pi, _ = trainer._logp(p["x"][:-1], p["option"], p["action"])
-    rho_a = torch.exp(logp_pi - p["logp_mu"])
-    want = torch.clamp(rho_a, max=rho_bar) * (p["q_ret"] - p["values"])
-    torch.testing.assert_close(p["adv"], want)
+        logp_pi, _ = trainer._logp(p.x[:-1], p.option, p.action)
+    rho_a = torch.exp(logp_pi - p.logp_mu)
+    want = torch.clamp(rho_a, max=rho_bar) * (p.q_ret - p.values)
+    torch.testing.assert_close(p.adv, want)
     assert bool((rho_a[:3] > rho_bar).all())  # the huge ones were truncated ...
-    torch.testing.assert_close(p["adv"][:3], rho_bar * (p["q_ret"] - p["values"])[:3])
+    torch.testing.assert_close(p.adv[:3], rho_bar * (p.q_ret - p.values)[:3])
     # ... and the high-level (DAC) advantage uses the joint ratio of both levels, truncated the same way
-    rho_j = torch.clamp(torch.exp(p["log_rhos"]), max=rho_bar)
+    rho_j = torch.clamp(torch.exp(p.log_rhos), max=rho_bar)
     with torch.no_grad():
-        pi_hat = model.call_and_return_logits(p["x"][:-1], p["prev_option"], p["ep_start"]).exp()
-        v_hi = (model.q(p["x"][:-1]) * pi_hat).sum(-1)
-    torch.testing.assert_close(p["adv_high"], rho_j * (p["q_ret"] - v_hi))
+        pi_hat = model.call_and_return_logits(p.x[:-1], p.prev_option, p.ep_start).exp()
+        v_hi = (model.q(p.x[:-1]) * pi_hat).sum(-1)
+    torch.testing.assert_close(p.adv_high, rho_j * (p.q_ret - v_hi))
     m = trainer.update(batch_message(spec, a), 0)
     assert m["rho_clipped_frac"] >= 3 / 6 - 1e-6
 
@@ -373,19 +375,16 @@ def test_epsilon_zero_reproduces_the_softmax_master_exactly(mode: str) -> None:
     # the learner's option-level terms: entropy and PPOC's log pi_Omega are the softmax's
     trainer = Trainer(model, learner_cfg(mode=mode), "cpu")
     p = trainer.prepare(batch_message(spec, random_batch(spec, rng, K=3)), 0, update_norm=False)
-    T = p["values"].shape[0]
-    mb = {k: p[k].reshape(-1) for k in ("option", "prev_option", "ep_start", "known", "option_start",
-                                        "logp_mu_option", "adv_high", "adv_master", "q_prev", "v",
-                                        "log_rho_option")}
-    mb["x"], mb["w"] = p["x"][:T].reshape(-1, 3), torch.ones(mb["option"].shape)
+    T = p.values.shape[0]
+    mb = trainer.samples(p)
     with torch.no_grad():
-        terms = trainer._option_terms(mb, 0.2, 1.0)
-        want_ent = losses.categorical_entropy(model.master_logits(mb["x"])).mean()
+        terms = trainer._option_terms(mb)
+        want_ent = losses.categorical_entropy(model.master_logits(mb.x)).mean()
     assert float(terms["loss/master_entropy"]) == float(want_ent)
     if mode == "ppoc":
         with torch.no_grad():
-            v = (model.q(p["x"][:T]) * torch.softmax(model.master_logits(p["x"][:T]), -1)).sum(-1)
-        assert torch.equal(p["v"], v)
+            v = (model.q(p.x[:T]) * torch.softmax(model.master_logits(p.x[:T]), -1)).sum(-1)
+        assert torch.equal(p.v, v)
 
 
 def test_learner_trains_the_distribution_the_workers_sample_from() -> None:
@@ -408,18 +407,14 @@ def test_learner_trains_the_distribution_the_workers_sample_from() -> None:
     for mode in ("dac", "ppoc"):
         trainer = Trainer(model, learner_cfg(mode=mode), "cpu")
         p = trainer.prepare(batch_message(spec, a), 0, update_norm=False)
-        assert bool(p["known"][1:].all())
-        torch.testing.assert_close(p["log_rho_option"], torch.zeros(T, N), atol=1e-5, rtol=0)
+        assert bool(p.known[1:].all())
+        torch.testing.assert_close(p.log_rho_option, torch.zeros(T, N), atol=1e-5, rtol=0)
         with torch.no_grad():
-            x = p["x"][:T]
+            x = p.x[:T]
             pi_eps = (1 - eps) * torch.softmax(model.master_logits(x), -1) + eps / K
             if mode == "ppoc":
-                torch.testing.assert_close(p["v"], (model.q(x) * pi_eps).sum(-1))
-            mb = {k: p[k].reshape(-1) for k in ("option", "prev_option", "ep_start", "known", "option_start",
-                                                "logp_mu_option", "adv_high", "adv_master", "q_prev", "v",
-                                                "log_rho_option")}
-            mb["x"], mb["w"] = x.reshape(-1, 3), torch.ones(T * N)
-            terms = trainer._option_terms(mb, 0.2, 1.0)
+                torch.testing.assert_close(p.v, (model.q(x) * pi_eps).sum(-1))
+            terms = trainer._option_terms(trainer.samples(p))
             pe = pi_eps.reshape(-1, K)
             torch.testing.assert_close(terms["loss/master_entropy"], -(pe * pe.log()).sum(-1).mean())
 

@@ -9,7 +9,7 @@ import torch
 
 from zclaw import config
 from zclaw.learner import checkpoint as ckpt
-from zclaw.learner.trainer import Trainer
+from zclaw.learner.trainer import PreparedBatch, Trainer
 from zclaw.policy.networks import OptionPolicy
 from zclaw.policy.weights import policy_config
 from zclaw.wire import EnvSpec, Message, make, parse
@@ -121,7 +121,8 @@ def test_metrics_and_priorities() -> None:
     torch.manual_seed(1)
     spec = spec_of(3, 2)
     model = make_model(spec, hidden=[16])
-    trainer = Trainer(model, learner_cfg(epochs=2, minibatches=3), "cpu")
+    # raw rewards: segment 1's advantages are then 10x segment 0's by construction
+    trainer = Trainer(model, learner_cfg(epochs=2, minibatches=3, reward_scale="off"), "cpu")
     rng = np.random.default_rng(1)
     a = empty_batch(spec, B=2, T=5, N=3, version=7)
     a["obs"][:] = rng.normal(size=a["obs"].shape)
@@ -159,27 +160,27 @@ def test_truncated_steps_bootstrap_from_final_obs_in_the_right_column() -> None:
     p = trainer.prepare(batch_message(spec, a), version=0, update_norm=False)
     with torch.no_grad():
         v_final = float(model.q(model.obs_norm(torch.tensor([[3.0, -2.0]])))[0, 0])
-    assert float(p["rewards"][0, 3]) == pytest.approx(1.0 + gamma * v_final, abs=1e-5)
-    assert float(p["discounts"][0, 3]) == 0.0 and float(p["discounts"][1, 0]) == 0.0
-    assert float(p["rewards"][1, 0]) == 1.0  # terminal: no bootstrap
+    assert float(p.rewards[0, 3]) == pytest.approx(1.0 + gamma * v_final, abs=1e-5)
+    assert float(p.discounts[0, 3]) == 0.0 and float(p.discounts[1, 0]) == 0.0
+    assert float(p.rewards[1, 0]) == 1.0  # terminal: no bootstrap
     # V-trace target at the truncated step is exactly r + gamma V(final_obs) (rho clipped to <= 1 times TD)
-    rho = min(1.0, float(torch.exp(p["log_rhos"][0, 3])))
-    v0 = float(p["values"][0, 3])
-    assert float(p["vs"][0, 3]) == pytest.approx(v0 + rho * (1.0 + gamma * v_final - v0), abs=1e-5)
-    assert float(p["vs"][1, 0]) == pytest.approx(v0_col(p, 1, 0) + rho_at(p, 1, 0) * (1.0 - v0_col(p, 1, 0)),
-                                                 abs=1e-5)
+    rho = min(1.0, float(torch.exp(p.log_rhos[0, 3])))
+    v0 = float(p.values[0, 3])
+    assert float(p.vs[0, 3]) == pytest.approx(v0 + rho * (1.0 + gamma * v_final - v0), abs=1e-5)
+    assert float(p.vs[1, 0]) == pytest.approx(v0_col(p, 1, 0) + rho_at(p, 1, 0) * (1.0 - v0_col(p, 1, 0)),
+                                              abs=1e-5)
     # every other entry is unchanged by the final observation
     mask = torch.ones(T, B * N, dtype=torch.bool)
     mask[0, 3] = False
-    assert torch.all(p["rewards"][mask] == 1.0)
+    assert torch.all(p.rewards[mask] == 1.0)
 
 
-def v0_col(p: dict, t: int, c: int) -> float:
-    return float(p["values"][t, c])
+def v0_col(p: PreparedBatch, t: int, c: int) -> float:
+    return float(p.values[t, c])
 
 
-def rho_at(p: dict, t: int, c: int) -> float:
-    return min(1.0, float(torch.exp(p["log_rhos"][t, c])))
+def rho_at(p: PreparedBatch, t: int, c: int) -> float:
+    return min(1.0, float(torch.exp(p.log_rhos[t, c])))
 
 
 def test_zero_importance_weight_leaves_parameters_unchanged() -> None:
@@ -211,7 +212,7 @@ def test_checkpoint_round_trip_restores_outputs_version_and_rng(tmp_path) -> Non
         trainer.update(bandit_batch(model, spec, rng), v)
     batch = bandit_batch(model, spec, rng)
     path = ckpt.save(tmp_path, model, trainer.optimizer, version=3, updates=3, steps_consumed=384, config=cfg,
-                     spec=spec.to_dict())
+                     spec=spec.to_dict(), trainer=trainer.state_dict())
     assert path.name == "ckpt-00000003.pt" and (tmp_path / "latest.pt").is_file()
     m_orig = trainer.update(batch, 3)  # continues from the saved RNG state
 
@@ -232,6 +233,8 @@ def test_checkpoint_round_trip_restores_outputs_version_and_rng(tmp_path) -> Non
                                    fresh.act(obs, z, start, deterministic=True)[k], rtol=0, atol=0)
     # ... and the next update is the same one, bit for bit (optimiser moments and RNG restored)
     ckpt.restore(state, fresh, fresh_trainer.optimizer)  # now with the RNG states, right before the update
+    assert fresh_trainer.reward_scaler.state_dict() != trainer.reward_scaler.state_dict()
+    fresh_trainer.load_state_dict(state["trainer"])  # the reward scale the saved trainer had reached
     m_fresh = fresh_trainer.update(batch, 3)
     for k in ("loss/policy", "loss/value", "loss/student", "approx_kl"):
         assert m_fresh[k] == m_orig[k], k

@@ -99,7 +99,10 @@ SCHEMA: Dict[str, Dict[str, Key]] = {
         "publish_port": Key(5557, "learner PUB port for weights", min=0, max=65535),
         "learner_port": Key(5558, "learner ROUTER port for snapshot (Clone) and status requests",
                             min=0, max=65535),
-        "max_message_mb": Key(256, "receive size cap on every socket, in MiB (ZMQ_MAXMSGSIZE)", min=1),
+        "max_message_mb": Key(0, "receive size cap on every socket, in MiB (ZMQ_MAXMSGSIZE); 0: auto (the "
+                              "broker's ingest cap is 2 x the largest legal segment of worker.envs x "
+                              "worker.segment_length once the env spec is known, at least 1 MiB; clients "
+                              "256 MiB; see docs/operations.md)", min=0),
         "request_timeout_ms": Key(3000, "Lazy Pirate: wait this long for a reply before reconnecting",
                                   min=10),
         "bind_host": Key("", "address servers bind (empty: the host they are reached at)"),
@@ -112,11 +115,6 @@ SCHEMA: Dict[str, Dict[str, Key]] = {
         "gpu": Key(-1, "device of inference and of GPU simulators: -1 for CPU, N for cuda:N (isaacgym: sim "
                    "device, rl device and graphics device id N)", min=-1),
         "threads": Key(1, "torch CPU threads per worker", min=1),
-        "request_rate": Key(20.0, "snapshot and status requests per second each client may make of the "
-                            "learner ROUTER on average (a token bucket; beyond it the answer is retry)",
-                            min=0.1),
-        "request_burst": Key(40.0, "requests a client may make at once before learner.request_rate applies",
-                             min=1),
         "vectorize": Key(
             "loop", "gym: backend: step the envs in a loop in the worker, or in subprocesses (slow envs such "
             "as Fetch and ShadowHand, ~1k steps/s per core)", choices=("loop", "subprocess"),
@@ -159,6 +157,20 @@ SCHEMA: Dict[str, Dict[str, Key]] = {
                              "child (copy-on-write)", choices=("thread", "fork")),
         "option_balanced": Key(False, "queue/uniform modes: draw segments with weight sum_o n_o(seg) / "
                                "n_o(store), so segments rich in rarely used options are sampled more"),
+        "max_abs_obs": Key(1e6, "drop a segment (cause out_of_range, counted per worker) with an observation "
+                           "element beyond +-this: a simulator that blew up; real MuJoCo/Isaac observations "
+                           "stay under ~1e4 (0: off)", min=0),
+        "max_abs_reward": Key(1e6, "drop a segment (cause out_of_range) with a reward beyond +-this; task "
+                              "rewards are O(1)-O(1e3) per step (0: off)", min=0),
+        "request_rate": Key(5000.0, "requests per second each client may make of the broker's serve socket "
+                            "on average (token bucket; beyond it the answer is retry); a learner asks "
+                            "<= ~100/s", min=0.1),
+        "request_burst": Key(1000.0, "requests a client may make at once before broker.request_rate applies",
+                             min=1),
+        "status_rate": Key(20.0, "status requests per second each client may make of the broker (a report "
+                           "costs ~50 sample retries)", min=0.1),
+        "status_burst": Key(40.0, "status requests a client may make at once before broker.status_rate",
+                            min=1),
     },
     "learner": {
         "batch_segments": Key(4, "segments per batch request", min=1),
@@ -175,11 +187,21 @@ SCHEMA: Dict[str, Dict[str, Key]] = {
         "c_bar": Key(1.0, "truncation of trace-cutting weights (c bar)", min=0),
         "vf_coef": Key(0.5, "value loss coefficient", min=0),
         "ent_coef": Key(0.0, "entropy bonus coefficient", min=0),
+        "reward_scale": Key("return", "how the learner scales rewards inside the loss (workers send them "
+                            "raw): "
+                            "divide by the running std of the discounted return, as SB3's VecNormalize "
+                            "(return), or not at all (off)", choices=("return", "off")),
+        "reward_clip": Key(10.0, "clip scaled rewards to +-reward_clip (reward_scale = return)", min=0.01),
         "max_grad_norm": Key(0.5, "gradient norm clip", min=0),
         "target_kl": Key(0.05, "stop a batch's epochs once a minibatch's KL from the behaviour policy "
                          "exceeds 1.5 x this (0: off)", min=0),
         "checkpoint_s": Key(30.0, "seconds between checkpoints", min=1),
         "threads": Key(1, "torch CPU threads of the learner", min=1),
+        "request_rate": Key(20.0, "snapshot and status requests per second each client may make of the "
+                            "learner ROUTER on average (a token bucket; beyond it the answer is retry)",
+                            min=0.1),
+        "request_burst": Key(40.0, "requests a client may make at once before learner.request_rate applies",
+                             min=1),
         "device": Key("cpu", "torch device of the learner (cpu, cuda, cuda:N)"),
         "tensorboard": Key(True, "write TensorBoard scalars under the run directory"),
         "mode": Key("dac", "option learning rule for K > 1: dac (PPO-clip on the call-and-return policy) or "

@@ -67,6 +67,7 @@ def save(
     config: Mapping[str, Any],
     spec: Mapping[str, Any],
     extra: Optional[Mapping[str, Any]] = None,
+    trainer: Optional[Mapping[str, Any]] = None,
 ) -> Path:
     """Write ``ckpt-<version>.pt`` and ``latest.pt`` atomically into ``directory``; return the first."""
     directory = Path(directory)
@@ -83,6 +84,8 @@ def save(
         "config": {k: dict(v) for k, v in config.items()},
         "spec": dict(spec),
         "extra": dict(extra or {}),
+        # the trainer's own statistics (Trainer.state_dict: the reward scale); absent in older checkpoints
+        "trainer": dict(trainer or {}),
     }
     buf = io.BytesIO()
     torch.save(state, buf)

@@ -9,7 +9,9 @@ the worker held (``policy_version[B, T]``). :meth:`Trainer.update`:
    episode (both known inside a segment; at t = 0 only when no option was picked there, otherwise the
    step is left out of the option-level terms, see :meth:`Trainer.option_context`);
 2. folds the batch's observations into the running normaliser, then normalises (the weights published
-   after this update carry the new statistics, so workers and learner agree);
+   after this update carry the new statistics, so workers and learner agree), and with
+   ``reward_scale = "return"`` divides the rewards by the running std of the discounted return
+   (:class:`~zclaw.policy.normalizer.RewardScaler`; inside the loss only);
 3. computes once, without gradient, the critic's values ``Q(x_t, o_t)``, the importance ratios of both
    levels (``log rho = log pi_o(a|s) - log mu_o(a|s) + log pi_hat(o|s, o_prev) - log mu_hat``), the
    V-trace targets (:func:`zclaw.policy.losses.vtrace`) and the advantages of each level, with episode
@@ -31,18 +33,22 @@ asynchronous PPO: the same losses, gradients and optimiser steps (``tests/test_o
 Metric names (TensorBoard ``learner/<name>``; stable, other tools read them): ``loss/policy``,
 ``loss/value``, ``loss/entropy``, ``loss/master``, ``loss/termination``, ``loss/master_entropy``,
 ``loss/student``, ``loss/total``, ``approx_kl``, ``clip_frac``, ``rho_mean``, ``rho_clipped_frac``,
-``rho_option_mean``, ``lag_mean``, ``lag_max``, ``lag/option/<o>``, ``explained_variance``, ...
+``rho_option_mean``, ``lag_mean``, ``lag_max``, ``lag/option/<o>``, ``explained_variance``,
+``reward_scale``, ``norm_left_out``, ...
 """
 from __future__ import annotations
 
-from typing import Any, Dict, Mapping, Optional, Sequence, Tuple
+from dataclasses import dataclass, fields
+from typing import Any, Dict, Mapping, NamedTuple, Optional, Sequence, Tuple, Union
 
 import numpy as np
 import torch
 
+from .. import config as zconfig
 from ..policy import losses
 from ..policy.health import OptionHealth
 from ..policy.networks import OptionPolicy
+from ..policy.normalizer import RewardScaler
 from ..wire import Message
 
 LOSS_KEYS = ("loss/policy", "loss/value", "loss/entropy", "loss/master", "loss/termination",
@@ -50,40 +56,159 @@ LOSS_KEYS = ("loss/policy", "loss/value", "loss/entropy", "loss/master", "loss/t
              "clip_frac", "grad_norm")
 
 
+@dataclass(frozen=True)
+class TrainConfig:
+    """The ``[learner]`` keys the update reads, typed and read once (``zclaw/config.py`` documents each;
+    its defaults are the only defaults: :meth:`from_section` fills a missing key from the schema)."""
+
+    gamma: float
+    lam: float
+    lr: float
+    epochs: int
+    minibatches: int
+    clip: float
+    rho_bar: float
+    c_bar: float
+    vf_coef: float
+    ent_coef: float
+    max_grad_norm: float
+    target_kl: float
+    reward_scale: str
+    reward_clip: float
+    mode: str
+    master_coef: float
+    master_ent_coef: float
+    termination_coef: float
+    termination_prior: float
+    termination_prior_coef: float
+    xi: float
+    deliberation_cost: float
+    option_weights: bool
+    option_max_weight: float
+    student_lr: float
+    health_collapse_duration: float
+    health_dominant_share: float
+    health_identical_spread: float
+    health_warmup_updates: int
+
+    @classmethod
+    def from_section(cls, section: Mapping[str, Any]) -> "TrainConfig":
+        """From a ``[learner]`` mapping (a resolved config's, or a partial one in tests), validated by the
+        schema: a bad value raises :class:`zclaw.config.ConfigError` naming the key."""
+        schema = zconfig.SCHEMA["learner"]
+        values = {}
+        for f in fields(cls):
+            key = schema[f.name]
+            values[f.name] = key.check(f"learner.{f.name}", section.get(f.name, key.default))
+        return cls(**values)
+
+
+class PreparedBatch(NamedTuple):
+    """One batch laid out time-major, ``[T, C]`` with C = B*N columns (column ``b*N + n`` is env n of
+    segment b), with its targets computed once without gradient (:meth:`Trainer.prepare`)."""
+
+    x: torch.Tensor  # [T+1, C, D] normalised observations (row T: the bootstrap state x_T)
+    action: torch.Tensor  # [T, C, A] a_t as the worker sent it
+    option: torch.Tensor  # [T, C] o_t, the option executing at t
+    prev_option: torch.Tensor  # [T, C] o_{t-1} (Trainer.option_context)
+    ep_start: torch.Tensor  # [T, C] x_t starts an episode
+    known: torch.Tensor  # [T, C] the option choice at t is known (false at a segment's first pick)
+    option_start: torch.Tensor  # [T, C] an option was picked at t
+    logp_mu: torch.Tensor  # [T, C] log mu_o(a_t|x_t): the behaviour log-prob of the action
+    logp_mu_option: torch.Tensor  # [T, C] log mu_hat(o_t|x_t, o_{t-1}): behaviour log-prob of the choice
+    weight: torch.Tensor  # [T, C] the segment's importance weight (prioritized replay; 1 otherwise)
+    values: torch.Tensor  # [T, C] Q(x_t, o_t) (K = 1: V(x_t))
+    bootstrap: torch.Tensor  # [C] U(x_T, o_{T-1}), the value the last step bootstraps from
+    final_values: torch.Tensor  # [T, C] U(final_obs, o_t) where a time limit cut the episode, else 0
+    rewards: torch.Tensor  # [T, C] scaled rewards, time-limit bootstrap folded in (episode_boundaries)
+    discounts: torch.Tensor  # [T, C] gamma_t: 0 where an episode ended at t
+    log_rhos: torch.Tensor  # [T, C] log pi/mu of the step, both levels
+    log_rho_option: torch.Tensor  # [T, C] log pi_hat/mu_hat of the option choice (0 for K = 1)
+    vs: torch.Tensor  # [T, C] V-trace targets of the critic
+    q_ret: torch.Tensor  # [T, C] q_t = r_t + gamma_t (lam v_{t+1} + (1 - lam) V(x_{t+1}))
+    adv: torch.Tensor  # [T, C] intra-option advantage rho^a (q_t - Q(x_t, o_t))
+    adv_high: torch.Tensor  # [T, C] DAC: rho (q_t - V^H(x_t, o_{t-1})); zeros otherwise
+    adv_master: torch.Tensor  # [T, C] PPOC: rho (q_t - V(x_t)); zeros otherwise
+    q_prev: torch.Tensor  # [T, C] PPOC: Q(x_t, o_{t-1}), the termination's input; zeros otherwise
+    v: torch.Tensor  # [T, C] PPOC: V(x_t); zeros otherwise
+    lag: np.ndarray  # [B, T] the learner's version minus the version that produced each step
+    priorities: torch.Tensor  # [B] mean |adv| of each segment, the next request's priorities
+
+
+class Samples(NamedTuple):
+    """The per-sample fields a minibatch draws from: a :class:`PreparedBatch` flattened to ``[S, ...]``."""
+
+    x: torch.Tensor
+    action: torch.Tensor
+    option: torch.Tensor
+    prev_option: torch.Tensor
+    ep_start: torch.Tensor
+    known: torch.Tensor
+    option_start: torch.Tensor
+    logp_mu: torch.Tensor
+    logp_mu_option: torch.Tensor
+    log_rho_option: torch.Tensor
+    adv: torch.Tensor
+    vs: torch.Tensor
+    adv_high: torch.Tensor
+    adv_master: torch.Tensor
+    q_prev: torch.Tensor
+    v: torch.Tensor
+    w: torch.Tensor  # importance weight of the sample's segment
+    w_low: torch.Tensor  # w times the per-option weight of the intra-option terms (option_weights)
+
+    def take(self, idx: torch.Tensor) -> "Samples":
+        """The minibatch of the samples at ``idx``."""
+        return Samples(*(f[idx] for f in self))
+
+
 class Trainer:
     """Owns the optimiser of an :class:`OptionPolicy` (main and student parameter groups) and turns
     batches into updates."""
 
     def __init__(
-        self, model: OptionPolicy, learner_cfg: Mapping[str, Any], device: Any = "cpu",
+        self, model: OptionPolicy, learner_cfg: Union[TrainConfig, Mapping[str, Any]], device: Any = "cpu",
         action_low: Optional[Sequence[float]] = None, action_high: Optional[Sequence[float]] = None,
+        obs_max_abs: float = float("inf"),
     ) -> None:
-        self.cfg = dict(learner_cfg)
+        c = learner_cfg if isinstance(learner_cfg, TrainConfig) else TrainConfig.from_section(learner_cfg)
+        self.cfg = c
         self.device = torch.device(device)
         self.model = model.to(self.device)
         student = set(id(p) for p in self.student_parameters())
         self.main_params = [p for p in self.model.parameters() if id(p) not in student]
-        self.student_lr = float(self.cfg.get("student_lr", 0.0))
         # one Adam, two parameter groups: the student's group has its own fixed learning rate and (as
         # Adam's state is per parameter) its own moments, so it is an optimiser of its own that a
         # checkpoint saves and restores together with the main one
         self.optimizer = torch.optim.Adam(
-            [{"params": self.main_params, "lr": float(self.cfg["lr"])},
-             {"params": self.student_parameters(), "lr": self.student_lr}], eps=1e-5)
-        self.mode = str(self.cfg.get("mode", "dac"))
-        if self.mode not in ("dac", "ppoc"):
-            raise ValueError(f"learner.mode = {self.mode!r} is not allowed: expected 'dac' or 'ppoc'")
+            [{"params": self.main_params, "lr": c.lr},
+             {"params": self.student_parameters(), "lr": c.student_lr}], eps=1e-5)
         self.low = (torch.as_tensor(action_low, dtype=torch.float32, device=self.device)
                     if action_low is not None else None)
         self.high = (torch.as_tensor(action_high, dtype=torch.float32, device=self.device)
                      if action_high is not None else None)
-        self.health = OptionHealth(model.K,
-                                   collapse_duration=float(self.cfg.get("health_collapse_duration", 1.5)),
-                                   dominant_share=float(self.cfg.get("health_dominant_share", 0.95)),
-                                   identical_spread=float(self.cfg.get("health_identical_spread", 0.05)),
-                                   warmup_updates=int(self.cfg.get("health_warmup_updates", 50)),
+        self.health = OptionHealth(model.K, collapse_duration=c.health_collapse_duration,
+                                   dominant_share=c.health_dominant_share,
+                                   identical_spread=c.health_identical_spread,
+                                   warmup_updates=c.health_warmup_updates,
                                    action_low=self.low, action_high=self.high)
+        self.reward_scaler = (RewardScaler(c.gamma, clip=c.reward_clip) if c.reward_scale == "return"
+                              else None)
+        #: observation rows beyond this (or not finite) are left out of the normaliser's statistics
+        self.obs_max_abs = float(obs_max_abs)
         self.skipped_steps = 0  # optimiser steps skipped because the loss or gradient was not finite
+        self.norm_left_out = 0  # observation rows the normaliser left out (out of range)
+
+    def state_dict(self) -> Dict[str, Any]:
+        """What a checkpoint keeps of the trainer beside the model and the optimiser."""
+        return {"reward_scaler": self.reward_scaler.state_dict() if self.reward_scaler else None}
+
+    def load_state_dict(self, state: Optional[Mapping[str, Any]]) -> None:
+        """Restore :meth:`state_dict` (None or a missing entry, from an older checkpoint: fresh
+        statistics)."""
+        scaler = (state or {}).get("reward_scaler")
+        if self.reward_scaler is not None and scaler:
+            self.reward_scaler.load_state_dict(scaler)
 
     def student_parameters(self) -> list:
         return list(self.model.student.parameters()) + [self.model.student_log_std]
@@ -144,31 +269,24 @@ class Trainer:
 
     # -- targets ----------------------------------------------------------------------------------------
     @torch.no_grad()
-    def prepare(self, batch: Message, version: int, update_norm: bool = True) -> Dict[str, Any]:
-        """Lay the batch out time-major and compute, once and without gradient, targets and advantages.
+    def prepare(self, batch: Message, version: int, update_norm: bool = True) -> PreparedBatch:
+        """Lay the batch out time-major and compute, once and without gradient, targets and advantages
+        (the fields of :class:`PreparedBatch`).
 
-        Returns time-major tensors ``[T, B*N, ...]`` (column ``b*N + n``): ``x`` (normalised obs, T+1
-        rows), ``action``, ``option``, ``prev_option``, ``ep_start``, ``known`` (option context, see
-        :meth:`option_context`), ``option_start``, ``logp_mu``, ``logp_mu_option``, ``weight``,
-        ``values`` (Q(x_t, o_t)), ``rewards`` and ``discounts`` (after
-        :func:`~zclaw.policy.losses.episode_boundaries` and the deliberation cost), ``log_rhos``
-        (both levels), ``log_rho_option``, ``vs``, ``q_ret``, ``adv`` (intra-option), ``adv_high``
-        (DAC: q - V^H(s, o_prev)), ``adv_master`` (PPOC: q - V(s)), ``q_prev`` and ``v`` (PPOC's
-        termination inputs Q(x_t, o_{t-1}) and V(x_t), x_t being the s' of step t-1); plus ``lag`` (numpy
-        [B, T]) and ``priorities`` [B].
+        ``update_norm`` folds the batch into the running statistics (observations, and the reward scale)
+        first; tests that compare against a hand computation turn it off.
         """
         c = self.cfg
         a = batch.arrays
         B, T, N = a["action"].shape[:3]
-        gamma = float(c["gamma"])
-        rho_bar = float(c["rho_bar"])
         model = self.model
         K = model.K
         D = model.cfg.obs_dim
 
         obs = self._tensor(a["obs"]).reshape(B, T + 1, N, D)
         if update_norm:
-            model.obs_norm.update(obs[:, :T])  # every step once (row T is the next segment's row 0)
+            # every step once (row T is the next segment's row 0); rows out of range are left out
+            self.norm_left_out += model.obs_norm.update(obs[:, :T], max_abs=self.obs_max_abs)
         raw = self._time_major(obs)  # [T+1, BN, D]
         x = model.obs_norm(raw)
         action = self._time_major(self._tensor(a["action"]).reshape(B, T, N, model.A))
@@ -186,9 +304,14 @@ class Trainer:
         self.health.update(option, option_start, prev, known, ep_start, raw[:T])
 
         # deliberation cost (Harb et al. 2018): a price on every switch that is not an episode start
-        delib = float(c.get("deliberation_cost", 0.0))
-        if K > 1 and delib > 0:
-            reward = reward - delib * (option_start & known & ~ep_start).to(reward.dtype)
+        if K > 1 and c.deliberation_cost > 0:
+            reward = reward - c.deliberation_cost * (option_start & known & ~ep_start).to(reward.dtype)
+        # reward scale (RewardScaler): inside the loss only; what workers report stays raw
+        if self.reward_scaler is not None:
+            if update_norm:
+                self.reward_scaler.update(a["reward"], a["terminated"] | a["truncated"], batch["workers"],
+                                          batch["seqs"])
+            reward = self.reward_scaler.scale(reward)
 
         values = self._values(x[:T], option)  # Q(x_t, o_t)
         # x_T is reached with o_{T-1} running: bootstrap from U(x_T, o_{T-1}) (for K = 1, V(x_T))
@@ -213,38 +336,57 @@ class Trainer:
             fx = model.obs_norm(self._tensor(a["final_obs"]).reshape(-1, D))
             final_values[ft, col] = self._arrival_values(fx, option[ft, col],
                                                          torch.zeros_like(col, dtype=torch.bool))
-        rewards, discounts = losses.episode_boundaries(reward, terminated, truncated, gamma, final_values)
+        rewards, discounts = losses.episode_boundaries(reward, terminated, truncated, c.gamma, final_values)
 
-        lam = float(c["lam"])
+        # One V-trace chain over both levels (log_rhos holds the action's and the choice's ratio), and every
+        # level's advantage is q_t minus its own baseline. The DAC reference implementation instead runs
+        # one GAE per MDP (high and low, each with its own value); one chain needs one critic Q(s, o)
+        # and one backward pass per batch, and for K = 1 it is exactly V-trace PPO (docs/learning.md).
         vs, _ = losses.vtrace(values, bootstrap, rewards, discounts, log_rhos,
-                              rho_bar=rho_bar, c_bar=float(c["c_bar"]), lam=lam)
-        q_ret = losses.q_returns(vs, values, bootstrap, rewards, discounts, lam)
+                              rho_bar=c.rho_bar, c_bar=c.c_bar, lam=c.lam)
+        q_ret = losses.q_returns(vs, values, bootstrap, rewards, discounts, c.lam)
         # low MDP: the option o_t is given, only the action's ratio weighs its advantage
-        adv = losses.truncated_is(log_rho_action, rho_bar) * (q_ret - values)
-        out: Dict[str, Any] = {
-            "x": x, "action": action, "option": option, "prev_option": prev, "ep_start": ep_start,
-            "known": known, "option_start": option_start, "logp_mu": logp_mu,
-            "logp_mu_option": logp_mu_option,
-            "weight": weight, "values": values, "bootstrap": bootstrap, "final_values": final_values,
-            "rewards": rewards, "discounts": discounts, "log_rhos": log_rhos,
-            "log_rho_option": log_rho_option, "vs": vs, "q_ret": q_ret, "adv": adv, "lag": lag,
-            "priorities": adv.abs().reshape(T, B, N).mean(dim=(0, 2)),
-        }
+        adv = losses.truncated_is(log_rho_action, c.rho_bar) * (q_ret - values)
         zeros = torch.zeros_like(values)
-        out["adv_high"], out["adv_master"], out["q_prev"], out["v"] = zeros, zeros, zeros, zeros
+        adv_high = adv_master = q_prev = v = zeros
         if K > 1:
             q_all = model.q(x[:T])
-            rho_joint = losses.truncated_is(log_rhos, rho_bar)
-            if self.mode == "dac":
+            rho_joint = losses.truncated_is(log_rhos, c.rho_bar)
+            if c.mode == "dac":
                 pi_hat = model.call_and_return_logits(x[:T], prev, ep_start).exp()
-                # q - V^H(s, o_prev)
-                out["adv_high"] = rho_joint * (q_ret - losses.option_value(q_all, pi_hat))
+                adv_high = rho_joint * (q_ret - losses.option_value(q_all, pi_hat))  # q - V^H(s, o_prev)
             else:
                 v = losses.option_value(q_all, model.master_probs(x[:T]))  # V(s), pi_Omega epsilon-soft
-                out["adv_master"] = rho_joint * (q_ret - v)
-                out["q_prev"] = q_all.gather(-1, prev.unsqueeze(-1)).squeeze(-1)  # Q(s', o_prev)
-                out["v"] = v  # V(s')
-        return out
+                adv_master = rho_joint * (q_ret - v)
+                q_prev = q_all.gather(-1, prev.unsqueeze(-1)).squeeze(-1)  # Q(s', o_prev)
+        return PreparedBatch(
+            x=x, action=action, option=option, prev_option=prev, ep_start=ep_start, known=known,
+            option_start=option_start, logp_mu=logp_mu, logp_mu_option=logp_mu_option, weight=weight,
+            values=values, bootstrap=bootstrap, final_values=final_values, rewards=rewards,
+            discounts=discounts, log_rhos=log_rhos, log_rho_option=log_rho_option, vs=vs, q_ret=q_ret,
+            adv=adv, adv_high=adv_high, adv_master=adv_master, q_prev=q_prev, v=v, lag=lag,
+            priorities=adv.abs().reshape(T, B, N).mean(dim=(0, 2)),
+        )
+
+    def samples(self, p: PreparedBatch) -> Samples:
+        """Flatten a prepared batch's per-step fields to ``[S, ...]`` (S = T*C), the minibatch pool."""
+        T = p.values.shape[0]
+        S = p.values.numel()
+
+        def flat(t: torch.Tensor) -> torch.Tensor:
+            return t.reshape((S,) + tuple(t.shape[2:]))
+
+        w = flat(p.weight)
+        w_low = w
+        if self.model.K > 1 and self.cfg.option_weights:
+            w_low = w * losses.option_loss_weights(flat(p.option), self.model.K, self.cfg.option_max_weight)
+        return Samples(
+            x=p.x[:T].reshape(S, self.model.cfg.obs_dim), action=flat(p.action), option=flat(p.option),
+            prev_option=flat(p.prev_option), ep_start=flat(p.ep_start), known=flat(p.known),
+            option_start=flat(p.option_start), logp_mu=flat(p.logp_mu), logp_mu_option=flat(p.logp_mu_option),
+            log_rho_option=flat(p.log_rho_option), adv=flat(p.adv), vs=flat(p.vs), adv_high=flat(p.adv_high),
+            adv_master=flat(p.adv_master), q_prev=flat(p.q_prev), v=flat(p.v), w=w, w_low=w_low,
+        )
 
     # -- the update -----------------------------------------------------------------------------------
     def update(self, batch: Message, version: int) -> Dict[str, Any]:
@@ -255,71 +397,37 @@ class Trainer:
         mean |advantage| per segment, for the next sample request (prioritized mode).
         """
         c = self.cfg
-        model = self.model
-        K = model.K
         p = self.prepare(batch, version)
-        T = p["values"].shape[0]
-        S = p["values"].numel()
-        keys = ("action", "option", "prev_option", "ep_start", "known", "option_start", "logp_mu",
-                "logp_mu_option", "adv", "vs", "adv_high", "adv_master", "q_prev", "v", "log_rho_option")
-        flat = {k: p[k].reshape((S,) + tuple(p[k].shape[2:])) for k in keys}
-        flat["x"] = p["x"][:T].reshape(S, model.cfg.obs_dim)
-        flat["w"] = p["weight"].reshape(S)
-        if K > 1 and bool(c.get("option_weights", False)):
-            flat["w_opt"] = losses.option_loss_weights(flat["option"], K,
-                                                       float(c.get("option_max_weight", 10.0)))
-        n_mb = max(1, min(int(c["minibatches"]), S))
-        clip = float(c["clip"])
-        rho_bar = float(c["rho_bar"])
+        pool = self.samples(p)
+        S = pool.adv.shape[0]
+        n_mb = max(1, min(c.minibatches, S))
         sums: Dict[str, float] = {k: 0.0 for k in LOSS_KEYS}
         count = 0
-        kl_stop = 1.5 * float(c.get("target_kl", 0.0))  # SB3's rule: stop once a minibatch is this far off
+        kl_stop = 1.5 * c.target_kl  # SB3's rule: stop once a minibatch is this far from the behaviour
         stopped = False
-        model.train()
-        for _ in range(int(c["epochs"])):
+        self.model.train()
+        for _ in range(c.epochs):
             if stopped:
                 break
-            perm = torch.randperm(S, device=self.device)
-            for idx in torch.chunk(perm, n_mb):
-                mb = {k: v[idx] for k, v in flat.items()}
-                w = mb["w"]
-                w_low = w * mb["w_opt"] if "w_opt" in mb else w
-                adv = losses.normalize(mb["adv"])
-                logp_new, log_std = self._logp(mb["x"], mb["option"], mb["action"])
-                # ratio to the behaviour policy before this step: the KL stop and metrics
-                with torch.no_grad():
-                    log_ratio = logp_new - mb["logp_mu"]
-                    ratio = log_ratio.exp()
-                    kl = float(((ratio - 1) - log_ratio).mean())  # k3 estimator, >= 0
+            for idx in torch.chunk(torch.randperm(S, device=self.device), n_mb):
+                mb = pool.take(idx)
+                loss, terms, kl, clip_frac = self.loss(mb)
                 if kl_stop > 0 and count > 0 and kl > kl_stop:
                     stopped = True
                     break
-                v_new = self._values(mb["x"], mb["option"])
-                pg = losses.weighted_mean(losses.ppo_clip_loss(logp_new, mb["logp_mu"], adv, clip), w_low)
-                vl = losses.weighted_mean(losses.value_loss(v_new, mb["vs"]), w_low)
-                ent = losses.weighted_mean(losses.entropy(log_std), w_low)
-                loss = pg + float(c["vf_coef"]) * vl - float(c["ent_coef"]) * ent
-                terms = {"loss/policy": pg, "loss/value": vl, "loss/entropy": ent}
-                if K > 1:
-                    terms.update(self._option_terms(mb, clip, rho_bar))
-                    loss = (loss + float(c.get("master_coef", 1.0)) * terms["loss/master"]
-                            + float(c.get("termination_coef", 0.0)) * terms["loss/termination"]
-                            + float(c.get("termination_prior_coef", 0.0)) * terms["loss/termination_prior"]
-                            - float(c.get("master_ent_coef", 0.0)) * terms["loss/master_entropy"])
-
                 self.optimizer.zero_grad(set_to_none=True)
                 loss.backward()
-                gn = torch.nn.utils.clip_grad_norm_(self.main_params, float(c["max_grad_norm"]))
+                gn = torch.nn.utils.clip_grad_norm_(self.main_params, c.max_grad_norm)
                 terms["loss/student"] = self._student_loss(mb)  # its gradient reaches the student only
-                if not (torch.isfinite(loss) and torch.isfinite(gn)
-                        and torch.isfinite(terms["loss/student"])):
+                finite = torch.isfinite(loss) and torch.isfinite(gn) and torch.isfinite(terms["loss/student"])
+                if not finite:
                     self.skipped_steps += 1  # one poisoned minibatch must not destroy the weights
                     self.optimizer.zero_grad(set_to_none=True)
                     continue
                 self.optimizer.step()
 
                 sums["approx_kl"] += kl
-                sums["clip_frac"] += float(((ratio - 1).abs() > clip).float().mean())
+                sums["clip_frac"] += clip_frac
                 for k, v in terms.items():
                     sums[k] += float(v.detach()) if torch.is_tensor(v) else float(v)
                 sums["loss/total"] += float(loss.detach())
@@ -330,81 +438,117 @@ class Trainer:
         metrics["sgd_steps"] = float(count)
         metrics["kl_stopped"] = float(stopped)
         metrics.update(self._batch_metrics(p))
-        metrics["priorities"] = [float(v) for v in p["priorities"].cpu()]
+        metrics["priorities"] = [float(v) for v in p.priorities.cpu()]
         return metrics
 
-    def _option_terms(self, mb: Dict[str, torch.Tensor], clip: float,
-                      rho_bar: float) -> Dict[str, torch.Tensor]:
+    def loss(self, mb: Samples) -> Tuple[torch.Tensor, Dict[str, torch.Tensor], float, float]:
+        """One minibatch's loss, top to bottom as in the papers; returns (loss, its terms, KL, clip fraction).
+
+        PPO (Schulman et al. 2017, eq. 9) on the intra-option policy of the executing option, its ratio
+        taken to the behaviour policy mu the worker acted with (asynchronous PPO)::
+
+            L = L^CLIP(pi_o) + vf_coef L^V - ent_coef H(pi_o)                       the low MDP
+              + master_coef L^H - master_ent_coef H(pi_Omega)                        K > 1: DAC's high MDP
+              (ppoc: + master_coef L^Omega + termination_coef L^beta instead of L^H)
+              + termination_prior_coef L^prior                                      K > 1
+
+        Advantages are normalised per minibatch (as PPO implementations do); every per-sample term is
+        weighted by the segment's importance weight w (the intra-option terms by ``w_low``, which adds the
+        per-option weight when ``option_weights`` is on).
+        """
+        c = self.cfg
+        adv = losses.normalize(mb.adv)
+        logp_new, log_std = self._logp(mb.x, mb.option, mb.action)
+        with torch.no_grad():  # distance from the behaviour policy: the KL stop and the metrics
+            log_ratio = logp_new - mb.logp_mu
+            ratio = log_ratio.exp()
+            kl = float(((ratio - 1) - log_ratio).mean())  # k3 estimator, >= 0
+            clip_frac = float(((ratio - 1).abs() > c.clip).float().mean())
+        v_new = self._values(mb.x, mb.option)
+        pg = losses.weighted_mean(losses.ppo_clip_loss(logp_new, mb.logp_mu, adv, c.clip), mb.w_low)
+        vl = losses.weighted_mean(losses.value_loss(v_new, mb.vs), mb.w_low)
+        ent = losses.weighted_mean(losses.entropy(log_std), mb.w_low)
+        loss = pg + c.vf_coef * vl - c.ent_coef * ent
+        terms = {"loss/policy": pg, "loss/value": vl, "loss/entropy": ent}
+        if self.model.K > 1:
+            terms.update(self._option_terms(mb))
+            loss = (loss + c.master_coef * terms["loss/master"]
+                    + c.termination_coef * terms["loss/termination"]
+                    + c.termination_prior_coef * terms["loss/termination_prior"]
+                    - c.master_ent_coef * terms["loss/master_entropy"])
+        return loss, terms, kl, clip_frac
+
+    def _option_terms(self, mb: Samples) -> Dict[str, torch.Tensor]:
         """The option-level losses of one minibatch (K > 1): DAC's or PPOC's, and the master entropy
         (all of the epsilon-soft pi_Omega the workers sample from, :meth:`OptionPolicy.log_master`)."""
-        model = self.model
-        x, w, known = mb["x"], mb["w"], mb["known"]
+        c, model = self.cfg, self.model
+        x, w, known = mb.x, mb.w, mb.known
         # each head once per minibatch: the master and the termination logits serve every term below
         log_master = model.log_master(x)
         term_logits = model.termination(x)
-        prev = mb["prev_option"].clamp(0, model.K - 1)
+        prev = mb.prev_option.clamp(0, model.K - 1)
         # beta_{o_{t-1}}(x_t)
         beta_prev = torch.sigmoid(term_logits).gather(-1, prev.unsqueeze(-1)).squeeze(-1)
-        prior = losses.termination_prior_loss(term_logits, float(self.cfg.get("termination_prior", 0.05)))
+        prior = losses.termination_prior_loss(term_logits, c.termination_prior)
         out = {"loss/master_entropy": losses.weighted_mean(losses.categorical_entropy_logp(log_master), w),
                "loss/termination_prior": losses.weighted_mean(prior, w)}
-        if self.mode == "dac":
-            log_pi_hat = model.mix_call_and_return(log_master, beta_prev, prev, mb["ep_start"]).gather(
-                -1, mb["option"].unsqueeze(-1)).squeeze(-1)
-            adv_h = losses.masked_normalize(mb["adv_high"], known)
-            hl = losses.dac_high_loss(log_pi_hat, mb["logp_mu_option"], adv_h, clip)
+        if c.mode == "dac":
+            log_pi_hat = model.mix_call_and_return(log_master, beta_prev, prev, mb.ep_start).gather(
+                -1, mb.option.unsqueeze(-1)).squeeze(-1)
+            adv_h = losses.masked_normalize(mb.adv_high, known)
+            hl = losses.dac_high_loss(log_pi_hat, mb.logp_mu_option, adv_h, c.clip)
             out["loss/master"] = losses.masked_mean(hl, known, w)
             out["loss/termination"] = torch.zeros((), device=x.device)
         else:
-            picked = mb["option_start"] & known
-            log_pi_omega = log_master.gather(-1, mb["option"].unsqueeze(-1)).squeeze(-1)
-            adv_m = losses.masked_normalize(mb["adv_master"], picked)
-            w_is = losses.truncated_is(mb["log_rho_option"], rho_bar)
+            picked = mb.option_start & known
+            log_pi_omega = log_master.gather(-1, mb.option.unsqueeze(-1)).squeeze(-1)
+            adv_m = losses.masked_normalize(mb.adv_master, picked)
+            w_is = losses.truncated_is(mb.log_rho_option, c.rho_bar)
             out["loss/master"] = losses.masked_mean(losses.ppoc_master_loss(log_pi_omega, adv_m, w_is),
                                                     picked, w)
-            decision = known & ~mb["ep_start"]  # beta_{o_{t-1}} was consulted at x_t (= s' of step t-1)
+            decision = known & ~mb.ep_start  # beta_{o_{t-1}} was consulted at x_t (= s' of step t-1)
             out["loss/termination"] = losses.masked_mean(
-                losses.ppoc_termination_loss(beta_prev, mb["q_prev"], mb["v"],
-                                             float(self.cfg.get("xi", 0.0))),
-                decision, w)
+                losses.ppoc_termination_loss(beta_prev, mb.q_prev, mb.v, c.xi), decision, w)
         return out
 
-    def _student_loss(self, mb: Dict[str, torch.Tensor]) -> torch.Tensor:
+    def _student_loss(self, mb: Samples) -> torch.Tensor:
         """The distillation loss on these states, back-propagated into the student's parameters only:
         its mean moves toward the executing option's clipped mean (a target, no gradient)."""
         model = self.model
-        if self.student_lr <= 0:
-            return torch.zeros((), device=mb["x"].device)
+        if self.cfg.student_lr <= 0:
+            return torch.zeros((), device=mb.x.device)
         with torch.no_grad():
-            target = model.option_mean(mb["x"], mb["option"])
+            target = model.option_mean(mb.x, mb.option)
             if self.low is not None and self.high is not None:
                 target = torch.max(torch.min(target, self.high), self.low)
-        sl = losses.weighted_mean(losses.distillation_loss(model.student_mean(mb["x"]), target), mb["w"])
+        sl = losses.weighted_mean(losses.distillation_loss(model.student_mean(mb.x), target), mb.w)
         sl.backward()
         return sl.detach()
 
-    def _batch_metrics(self, p: Dict[str, Any]) -> Dict[str, float]:
-        c = self.cfg
-        rhos = torch.exp(p["log_rhos"])
-        lag = p["lag"]
+    def _batch_metrics(self, p: PreparedBatch) -> Dict[str, float]:
+        rhos = torch.exp(p.log_rhos)
+        lag = p.lag
         m: Dict[str, float] = dict(
             rho_mean=float(rhos.mean()),
-            rho_clipped_frac=float((rhos > float(c["rho_bar"])).float().mean()),
-            rho_option_mean=float(torch.exp(p["log_rho_option"]).mean()),
+            rho_clipped_frac=float((rhos > self.cfg.rho_bar).float().mean()),
+            rho_option_mean=float(torch.exp(p.log_rho_option).mean()),
             lag_mean=float(lag.mean()) if lag.size else 0.0,
             lag_max=float(lag.max()) if lag.size else 0.0,
-            explained_variance=losses.explained_variance(p["values"], p["vs"]),
-            value_mean=float(p["values"].mean()),
-            adv_mean=float(p["adv"].mean()),
+            explained_variance=losses.explained_variance(p.values, p.vs),
+            value_mean=float(p.values.mean()),
+            adv_mean=float(p.adv.mean()),
             skipped_steps=float(self.skipped_steps),
-            steps=float(p["values"].numel()),
+            steps=float(p.values.numel()),
+            norm_left_out=float(self.norm_left_out),
         )
+        if self.reward_scaler is not None:
+            m["reward_scale"] = self.reward_scaler.std  # rewards are divided by this inside the loss
         if self.model.K > 1 and lag.size:
             # per-option lag: every step's lag [B, T] broadcast over its N envs, grouped by option
-            T, BN = p["option"].shape
+            T, BN = p.option.shape
             B = lag.shape[0]
             step_lag = torch.as_tensor(lag.T.copy(), dtype=torch.float32).repeat_interleave(BN // B, dim=1)
-            opt = p["option"].cpu()
+            opt = p.option.cpu()
             for o in range(self.model.K):
                 sel = opt == o
                 if bool(sel.any()):
