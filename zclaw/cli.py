@@ -121,7 +121,9 @@ def worker(
 @click.option("--env", default=None, help="Env id with backend prefix (run.env), e.g. gym:Pusher-v5.")
 @click.option("--steps", type=int, default=None,
               help="Stop after this many env steps (run.steps; 0: no limit).")
-@click.option("--time", "time_s", type=float, default=None, help="Stop after this many seconds (run.time).")
+@click.option("--time", "time_s", type=float, default=None,
+              help="Stop after this many seconds (run.time). Without --steps, no step limit applies: "
+                   "the run lasts this long whatever run.steps says.")
 @click.option("--workers", type=int, default=None, help="Worker processes (run.workers).")
 @click.option("--run-dir", type=click.Path(file_okay=False), default=None,
               help="Run directory (run.run_dir; default runs/<start time>).")
@@ -137,9 +139,13 @@ def train(
 ) -> None:
     """Train on one machine: broker, learner and workers as separate processes on loopback.
 
-    Shows a progress bar (env steps, steps/s, mean return, policy lag), stops at --steps or --time, prints a
-    summary and leaves RUN_DIR with the resolved config, one log per role, checkpoints, TensorBoard events and
-    summary.json. Ctrl-C stops every process.
+    Shows a progress bar (env steps, steps/s, mean return, policy lag), stops at --steps or --time (whichever
+    comes first), prints a summary that says why the run stopped and leaves RUN_DIR with the resolved config,
+    one log per role, checkpoints, TensorBoard events and summary.json.
+
+    A role that crashes is restarted, up to run.restarts times each: the broker on its snapshot, the learner
+    with --resume, workers as they were. Ctrl-C or SIGTERM stops every process within run.stop_grace_s seconds
+    (what has not exited by then is killed); a second Ctrl-C kills at once.
     """
     from .launch import resolve_run_dir, train as run_train
 
@@ -148,6 +154,8 @@ def train(
             raise click.UsageError("--resume needs --run-dir DIR (the run to continue)")
         if config is None and (Path(run_dir) / "config.toml").exists():
             config = str(Path(run_dir) / "config.toml")
+    if time_s is not None and steps is None:
+        steps = 0  # --time alone means what it says: no step cap (run.steps) ends the run earlier
     cfg = _load(config, overrides, {"run.env": env, "run.steps": steps, "run.time": time_s,
                                     "run.workers": workers, "run.run_dir": run_dir,
                                     "security.insecure": insecure})

@@ -4,6 +4,16 @@ The launcher is not a role: it only starts processes, asks the broker and the le
 ``status`` (the same requests ``zclaw status`` makes), draws the progress bar and writes the summary.
 Children get ``PR_SET_PDEATHSIG`` so that even a SIGKILLed launcher leaves no process behind; Ctrl-C
 or SIGTERM stops the workers first, then the learner (final checkpoint), then the broker.
+
+Supervision: a role process that exits while the run goes on is started again, up to ``run.restarts``
+times per role: the broker on its latest snapshot (``--run-dir`` without ``--fresh``), the learner with
+``--resume`` from its latest checkpoint (plain, if it crashed before writing one), a worker as it was.
+A role refused by a server (exit 3: another env spec or protocol) is not restarted: that cannot help.
+
+Stopping is bounded: from Ctrl-C, SIGTERM, or the end of the run, every role has exited within
+``run.stop_grace_s`` seconds whatever it does (a wedged or stopped process is SIGKILLed at the
+deadline); a second Ctrl-C or SIGTERM kills what is left at once. ``summary.json`` says why the run
+stopped (``stop_reason``: time, steps, interrupted, role_failed).
 """
 from __future__ import annotations
 
@@ -26,6 +36,11 @@ from .wire import LazyPirate, make, tcp
 from .wire.sockets import CurveClient
 
 ROLE_ORDER = ("broker", "learner", "worker")
+#: shares of run.stop_grace_s: workers first (they flush a second's worth), then the learner (final
+#: checkpoint); the broker has what is left (final snapshot) before everything still alive is SIGKILLed
+WORKER_STOP_SHARE, LEARNER_STOP_SHARE = 0.2, 0.5
+#: what summary.json's stop_reason may say
+STOP_REASONS = ("time", "steps", "interrupted", "role_failed")
 
 
 def free_port() -> int:
@@ -60,21 +75,45 @@ def stop_processes(procs: Sequence[subprocess.Popen], timeout: float) -> List[Op
     return [p.returncode for p in procs]
 
 
-class Child:
-    """One role process and its log file."""
+def stop_by(procs: Sequence[subprocess.Popen], deadline: float) -> None:
+    """SIGTERM every live process in ``procs``, wait until ``deadline`` (monotonic), SIGKILL what is left.
 
-    def __init__(self, name: str, argv: List[str], log_path: Path) -> None:
+    Never waits past the deadline, whatever a process does (a SIGSTOPped one keeps its SIGTERM pending
+    for ever, SIGKILL still ends it)."""
+    for p in procs:
+        if p.poll() is None:
+            try:
+                p.send_signal(signal.SIGTERM)
+            except ProcessLookupError:
+                pass
+    for p in procs:
+        try:
+            p.wait(max(0.0, deadline - time.monotonic()))
+        except subprocess.TimeoutExpired:
+            p.kill()
+            p.wait()
+
+
+class Child:
+    """One role process and its log file; ``restart_argv`` (None: ``argv``) is what a restart runs."""
+
+    def __init__(
+        self, name: str, argv: List[str], log_path: Path,
+        restart_argv: Optional[Callable[[], List[str]]] = None,
+    ) -> None:
         self.name = name
         self.argv = argv
         self.log_path = log_path
+        self.restart_argv = restart_argv
         self.proc: Optional[subprocess.Popen] = None
         self.restarts = 0
 
-    def start(self) -> None:
+    def start(self, restart: bool = False) -> None:
         env = dict(os.environ, PYTHONUNBUFFERED="1")
+        argv = self.restart_argv() if restart and self.restart_argv is not None else self.argv
         with open(self.log_path, "ab") as log:
             self.proc = subprocess.Popen(
-                self.argv, stdout=log, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL, env=env,
+                argv, stdout=log, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL, env=env,
                 preexec_fn=_set_pdeathsig if sys.platform.startswith("linux") else None,
             )
 
@@ -150,12 +189,17 @@ def session_steps(broker: Optional[Dict[str, Any]]) -> int:
 
 def summarise(
     broker: Optional[Dict[str, Any]], learner: Optional[Dict[str, Any]], wall_s: float,
-    previous: Dict[str, Any]
+    previous: Dict[str, Any], stop_reason: Optional[str] = None, stop_detail: Optional[str] = None,
+    restarts: Optional[Dict[str, int]] = None,
 ) -> Dict[str, Any]:
-    """The figures of ``summary.json`` from the last status reports of broker and learner."""
+    """The figures of ``summary.json`` from the last status reports of broker and learner, and why and
+    how the run ended (``stop_reason``, one of :data:`STOP_REASONS`; ``restarts`` per role process)."""
     b, L = broker or {}, learner or {}
     steps = session_steps(b)
     return {
+        "stop_reason": stop_reason,
+        "stop_detail": stop_detail,
+        "restarts": dict(restarts or {}),
         "env_steps": steps,
         "env_steps_total": steps + int(previous.get("env_steps_total", 0)),
         "wall_s": round(wall_s, 2),
@@ -174,7 +218,11 @@ def summarise(
 
 
 def format_table(summary: Dict[str, Any]) -> str:
+    restarts = {k: v for k, v in (summary.get("restarts") or {}).items() if v}
     rows = [
+        ("stopped because", summary.get("stop_reason") if not summary.get("stop_detail")
+         else f"{summary.get('stop_reason')} ({summary['stop_detail']})"),
+        ("role restarts", ", ".join(f"{k} {v}" for k, v in sorted(restarts.items())) or "none"),
         ("env steps", summary["env_steps"]), ("wall time (s)", summary["wall_s"]),
         ("env steps / s", summary["steps_per_s"]), ("learner updates", summary["updates"]),
         ("policy version", summary["version"]), ("episodes", summary["episodes"]),
@@ -212,31 +260,50 @@ def train(
     base = [sys.executable, "-m", "zclaw.cli"]
     common = ["--config", str(config_path)]
     logs = run_dir / "logs"
-    # --resume continues the store too (its snapshot); a fresh run into an old directory starts it empty
-    broker_args = ["--run-dir", str(run_dir)] + ([] if resume else ["--fresh"])
-    children = [Child("broker", base + ["broker"] + common + broker_args, logs / "broker.log")]
-    children.append(
-        Child("learner",
-              base + ["learner"] + common + ["--run-dir", str(run_dir)] + (["--resume"] if resume else []),
-              logs / "learner.log")
-    )
+    # --resume continues the store too (its snapshot); a fresh run into an old directory starts it empty.
+    # A restarted broker always restores the snapshot this run wrote.
+    broker_argv = base + ["broker"] + common + ["--run-dir", str(run_dir)]
+    learner_argv = base + ["learner"] + common + ["--run-dir", str(run_dir)]
+
+    def learner_restart() -> List[str]:  # --resume needs a checkpoint; without one the learner starts anew
+        has_ckpt = (run_dir / "checkpoints" / "latest.pt").exists()
+        return learner_argv + (["--resume"] if has_ckpt else [])
+
+    children = [Child("broker", broker_argv + ([] if resume else ["--fresh"]), logs / "broker.log",
+                      restart_argv=lambda: broker_argv)]
+    children.append(Child("learner", learner_argv + (["--resume"] if resume else []), logs / "learner.log",
+                          restart_argv=learner_restart))
     for i in range(cfg["run"]["workers"]):
         children.append(Child(f"worker{i}", base + ["worker"] + common + ["--index", str(i)],
                               logs / f"worker{i}.log"))
 
     steps_goal, time_goal = cfg["run"]["steps"], cfg["run"]["time"]
+    grace = float(cfg["run"]["stop_grace_s"])
+    budget = int(cfg["run"]["restarts"])
     ctx = zmq.Context()
     net = cfg["network"]
     sec = Security.from_config(cfg, "tools")  # the launcher asks for status as the "tools" client
     broker_status = StatusClient(ctx, tcp("127.0.0.1", net["serve_port"]), curve=sec.client("broker"))
     learner_status = StatusClient(ctx, tcp("127.0.0.1", net["learner_port"]), curve=sec.client("learner"))
-    stop = {"flag": False}
-    old_term = signal.signal(signal.SIGTERM, lambda *_: stop.__setitem__("flag", True))
+    # SIGTERM and SIGINT (Ctrl-C) ask for a clean stop; a second one kills what is left at once
+    signals = {"n": 0, "name": ""}
+
+    def on_signal(signum: int, frame: Any) -> None:
+        signals["n"] += 1
+        signals["name"] = signal.Signals(signum).name
+        if signals["n"] > 1:
+            for c in children:
+                if c.alive():
+                    c.proc.kill()  # type: ignore[union-attr]
+
+    old_handlers = {sig: signal.signal(sig, on_signal) for sig in (signal.SIGTERM, signal.SIGINT)}
     bar = None
     t0 = time.monotonic()
     b_rep: Optional[Dict[str, Any]] = None
     l_rep: Optional[Dict[str, Any]] = None
     failure: Optional[str] = None
+    reason: Optional[str] = None
+    detail: Optional[str] = None
     echo(f"zclaw train: {cfg['run']['env']}, {cfg['run']['workers']} worker(s) x {cfg['worker']['envs']} "
          f"envs, run dir {run_dir}")
     try:
@@ -244,22 +311,25 @@ def train(
             c.start()
         bar = _progress_bar(steps_goal, progress)
         last_line = 0.0
-        while not stop["flag"]:
+        while not signals["n"]:
             time.sleep(0.5)
             for c in children:
-                if not c.alive():
-                    # another spec/protocol: a restart cannot help
-                    refused = c.proc.returncode == EXIT_REFUSED
-                    if c.name.startswith("worker") and c.restarts < 3 and not refused:
-                        echo(f"warning: {c.name} exited with {c.proc.returncode}; "
-                             f"restarting it\n{c.log_tail(5)}")
-                        c.restarts += 1
-                        c.start()
-                    else:
-                        failure = (f"{c.name} exited with code {c.proc.returncode}; "
-                                   f"last lines of {c.log_path}:\n" + c.log_tail())
-                        break
-            if failure:
+                if signals["n"] or c.alive():
+                    continue
+                code = c.proc.returncode  # type: ignore[union-attr]
+                # refused (another spec or protocol): a restart cannot help
+                if code != EXIT_REFUSED and c.restarts < budget:
+                    c.restarts += 1
+                    echo(f"warning: {c.name} exited with {code}; restarting it "
+                         f"({c.restarts} of {budget})\n{c.log_tail(5)}")
+                    c.start(restart=True)
+                else:
+                    why = "refused by a server" if code == EXIT_REFUSED else f"{c.restarts} restarts used"
+                    failure = (f"{c.name} exited with code {code} ({why}); last lines of {c.log_path}:\n"
+                               + c.log_tail())
+                    reason, detail = "role_failed", f"{c.name} exited with code {code}"
+                    break
+            if failure or signals["n"]:
                 break
             b_rep = broker_status.report() or b_rep
             l_rep = learner_status.report() or l_rep
@@ -269,35 +339,44 @@ def train(
             if bar is None and time.monotonic() - last_line > 10:
                 last_line = time.monotonic()
                 echo(_progress_line(steps, elapsed, b_rep, l_rep))
-            if (steps_goal and steps >= steps_goal) or (time_goal and elapsed >= time_goal):
+            if steps_goal and steps >= steps_goal:
+                reason = "steps"
                 break
-    except KeyboardInterrupt:
-        echo("\ninterrupted: stopping every process")
+            if time_goal and elapsed >= time_goal:
+                reason = "time"
+                break
+    except KeyboardInterrupt:  # a SIGINT that came before our handler was installed
+        signals["n"] = max(1, signals["n"])
+        signals["name"] = signals["name"] or "SIGINT"
     finally:
+        if signals["n"] and reason is None:
+            reason, detail = "interrupted", signals["name"]
+            echo(f"\ninterrupted ({signals['name']}): stopping every process within {grace:g} s")
+        deadline = time.monotonic() + grace
         if bar is not None:
             bar.close()
-        b_rep = broker_status.report() or b_rep
-        l_rep = learner_status.report() or l_rep
         wall = time.monotonic() - t0
-        for c in children:
-            if c.name.startswith("worker"):
-                c.stop(timeout=10)
-        for c in children:
-            if c.name == "learner":
-                c.stop(timeout=60)
+        if not signals["n"]:  # the last reports, unless the user wants out now (each is one bounded try)
+            b_rep = broker_status.report() or b_rep
+            l_rep = learner_status.report() or l_rep
+        workers = [c.proc for c in children if c.name.startswith("worker") and c.proc is not None]
+        stop_by(workers, min(deadline, time.monotonic() + WORKER_STOP_SHARE * grace))
+        learner = [c.proc for c in children if c.name == "learner" and c.proc is not None]
+        stop_by(learner, min(deadline, time.monotonic() + LEARNER_STOP_SHARE * grace))
         final = run_dir / "learner_final.json"
         if final.exists():
             try:
                 l_rep = json.loads(final.read_text()) or l_rep
             except ValueError:
                 pass
-        for c in children:
-            c.stop(timeout=20)
+        stop_by([c.proc for c in children if c.proc is not None], deadline)
         broker_status.close()
         learner_status.close()
         ctx.term()
-        signal.signal(signal.SIGTERM, old_term)
-    summary = summarise(b_rep, l_rep, wall, previous)
+        for sig, handler in old_handlers.items():
+            signal.signal(sig, handler)
+    summary = summarise(b_rep, l_rep, wall, previous, stop_reason=reason, stop_detail=detail,
+                        restarts={c.name: c.restarts for c in children})
     (run_dir / "summary.json").write_text(json.dumps(summary, indent=2) + "\n")
     echo("\nzclaw train summary\n" + format_table(summary) + f"\n  run dir: {run_dir}")
     if failure:
