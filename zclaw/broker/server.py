@@ -44,11 +44,14 @@ import zmq
 from ..stopping import install_stop_signals
 
 from .. import __version__
-from ..wire.messages import EnvSpec, make, parse
-from ..wire.protocol import PROTOCOL_VERSION, Frame, Message, WireError
+from ..tokens import TokenBucket
+from ..wire.limits import MAX_BATCH_SEGMENTS, MAX_REPORT_WORKERS
+from ..wire.messages import EnvSpec, make, max_segment_bytes, parse
+from ..wire.protocol import MAX_HEADER_BYTES, PROTOCOL_VERSION, Frame, Message, WireError
 from ..config import ConfigError
 from ..security import Security
-from ..wire.sockets import DropCounter, bind, make_socket, recv_frames, term_context
+from ..wire.sockets import (DEFAULT_MAX_MESSAGE_BYTES, DropCounter, bind, make_socket, recv_frames,
+                            term_context)
 from .ratelimit import SampleToInsertRatio
 from . import snapshot
 from .store import LAG_BUCKETS, Store
@@ -62,6 +65,37 @@ SOCKET_CAP_SLACK = 64 << 10
 MAX_WORKERS = 1024
 #: window of the recent rates in the report
 RATE_WINDOW_S = 10.0
+#: ``network.max_message_mb = 0`` (auto): the ingest cap is at least this (hellos, requests, status) ...
+AUTO_MIN_BYTES = 1 << 20
+#: ... and this many times the largest legal segment of worker.envs x worker.segment_length once the
+#: env spec is known (room for a worker whose config differs a little; see docs/operations.md)
+AUTO_HEADROOM = 2
+#: a handler that raised is logged (with its traceback) at most once per this many seconds
+ERROR_LOG_S = 10.0
+#: "worker joined" lines per ERROR_LOG_S (identities come off the wire: a flood of new ones is counted)
+JOIN_LOGS_PER_INTERVAL = 10
+
+
+def auto_cap_bytes(spec: EnvSpec, envs: int, segment_length: int) -> int:
+    """The broker's ingest cap for ``network.max_message_mb = 0``: see :data:`AUTO_HEADROOM`."""
+    return max(AUTO_MIN_BYTES, AUTO_HEADROOM * max_segment_bytes(spec, int(segment_length), int(envs)))
+
+
+class LoopClock:
+    """When a service loop (ingest, serve) last handled a message, and how many: the status report's
+    ``loops``, so that a loop that stopped answering shows up as a growing ``last_s_ago``."""
+
+    def __init__(self) -> None:
+        self.last: Optional[float] = None
+        self.handled = 0
+
+    def tick(self, now: float) -> None:
+        self.last = now
+        self.handled += 1
+
+    def report(self, now: float) -> Dict[str, Any]:
+        return {"last_s_ago": None if self.last is None else round(now - self.last, 3),
+                "handled": self.handled}
 
 
 class RateMeter:
@@ -103,9 +137,12 @@ class WorkerInfo:
         self.version: Optional[int] = None
         self.version_t = now  # when ``version`` last changed: how long the worker has acted on those weights
         self.rate = RateMeter(now=now)
+        #: segments of this worker dropped for values beyond broker.max_abs_obs / max_abs_reward
+        self.out_of_range = 0
 
     def report(self, now: float) -> Dict[str, Any]:
         return {
+            "out_of_range": self.out_of_range,
             "host": self.host,
             "pid": self.pid,
             "last_seen_s": round(now - self.last_seen, 3),
@@ -125,7 +162,18 @@ class Broker:
         self.log = log
         b = cfg["broker"]
         self.limiter = SampleToInsertRatio(b["samples_per_insert"], b["min_size"], b["spi_error_buffer"])
-        self.max_bytes = int(cfg["network"]["max_message_mb"]) << 20
+        mb = int(cfg["network"]["max_message_mb"])
+        #: network.max_message_mb = 0: the cap follows the env spec (:func:`auto_cap_bytes`)
+        self.auto_cap = mb <= 0
+        self.max_bytes = mb << 20 if mb > 0 else DEFAULT_MAX_MESSAGE_BYTES
+        #: per-identity fairness on the serve socket: all requests, and status reports (costlier)
+        self.requests = TokenBucket(b["request_rate"], b["request_burst"], max_identities=MAX_WORKERS)
+        self.status_requests = TokenBucket(b["status_rate"], b["status_burst"], max_identities=MAX_WORKERS)
+        self.loops = {"ingest": LoopClock(), "serve": LoopClock()}
+        self._error_logged = -1e9
+        self._joins_window = -1e9
+        self._joins_logged = 0
+        self.joins_unlogged = 0
         self.retry_ms = int(b["retry_ms"])
         self.wait_when_full = b["when_full"] == "wait"
         #: segments per batch the learner last asked for (what "the learner can make progress" means)
@@ -151,8 +199,19 @@ class Broker:
 
     # ---------------------------------------------------------------------------------- ingest
 
+    def handler_failed(self, where: str, exc: BaseException) -> None:
+        """A handler raised on one message: count it (``internal``) and log it with its traceback at most
+        once per :data:`ERROR_LOG_S` (the count goes on); the loop then carries on with the next one."""
+        self.drops.counts["internal"] += 1
+        now = time.monotonic()
+        if now - self._error_logged >= ERROR_LOG_S:
+            self._error_logged = now
+            self.log.error(f"{where} handler failed", error=repr(exc)[:300],
+                           internal=self.drops.counts["internal"], exc_info=True)
+
     def on_ingest(self, frames: Sequence[Frame]) -> None:
         """One message off the PULL socket: a worker ``hello`` or ``segment``; never raises."""
+        self.loops["ingest"].tick(time.monotonic())
         try:
             size = sum(len(f) for f in frames)
             if size > self.max_bytes:
@@ -166,8 +225,7 @@ class Broker:
         except WireError as exc:
             self.drops.drop(exc.cause, str(exc))
         except Exception as exc:  # a bug must not take the broker (and the run) down
-            self.drops.drop("internal", repr(exc))
-            self.log.exception("ingest handler failed")
+            self.handler_failed("ingest", exc)
 
     def _worker(self, identity: str, now: float) -> WorkerInfo:
         info = self.workers.get(identity)
@@ -176,7 +234,15 @@ class Broker:
                 oldest = min(self.workers, key=lambda k: self.workers[k].last_seen)
                 del self.workers[oldest]
             info = self.workers[identity] = WorkerInfo(now)
-            self.log.info("worker joined", worker=identity)
+            if now - self._joins_window >= ERROR_LOG_S:
+                if self.joins_unlogged:
+                    self.log.info("workers joined without a log line", count=self.joins_unlogged)
+                self._joins_window, self._joins_logged, self.joins_unlogged = now, 0, 0
+            if self._joins_logged < JOIN_LOGS_PER_INTERVAL:
+                self._joins_logged += 1
+                self.log.info("worker joined", worker=identity)
+            else:
+                self.joins_unlogged += 1
         info.last_seen = now
         return info
 
@@ -208,15 +274,25 @@ class Broker:
             beta=b["priority_beta"],
             seed=self.cfg["run"]["seed"],
             option_balanced=bool(b.get("option_balanced", False)),
+            max_abs_obs=float(b["max_abs_obs"]),
+            max_abs_reward=float(b["max_abs_reward"]),
         )
         self.spec = spec
+        if self.auto_cap:
+            w = self.cfg["worker"]
+            self.max_bytes = auto_cap_bytes(spec, w["envs"], w["segment_length"])
         self.log.info("adopted env spec", spec=spec.to_dict(), spec_hash=spec.hash, source=identity)
 
     def _on_segment(self, msg: Message) -> None:
         if self.spec is None or self.store is None:
             raise WireError("no_spec", "segment before any worker hello told the env spec")
         first = self.store.T is None
-        self.store.insert(msg)  # validates everything before writing; raises WireError
+        try:
+            self.store.insert(msg)  # validates everything before writing; raises WireError
+        except WireError as exc:
+            if exc.cause == "out_of_range":  # a blown-up simulator: whose, in the status report
+                self._worker(msg["worker"], time.monotonic()).out_of_range += 1
+            raise
         if first:
             self.log.info("store allocated", T=self.store.T, N=self.store.N, capacity=self.store.capacity)
         now = time.monotonic()
@@ -256,9 +332,14 @@ class Broker:
         if len(frames) < 1:
             return None
         identity = frames[0].bytes if hasattr(frames[0], "bytes") else bytes(frames[0])
+        now = time.monotonic()
+        self.loops["serve"].tick(now)
         try:
             if len(frames) < 3 or len(frames[1]) != 0:
                 raise WireError("malformed", "request is not [identity, empty delimiter, message...]")
+            wait = self.requests.take(identity, now)
+            if wait is not None:  # this client asks faster than broker.request_rate: it waits, not others
+                return [identity, b""] + self._retry("client_rate", wait)
             body = frames[2:]
             size = sum(len(f) for f in body)
             if size > self.max_bytes:
@@ -266,8 +347,11 @@ class Broker:
             msg = parse(body, ("sample", "status", "hello"))
             if msg.kind == "hello":
                 reply = self._on_hello_request(msg)
+            elif msg.kind == "status":
+                wait = self.status_requests.take(identity, now)
+                reply = self.report_message() if wait is None else self._retry("client_rate", wait)
             else:
-                reply = self.report_message() if msg.kind == "status" else self._on_sample(msg)
+                reply = self._on_sample(msg)
         except WireError as exc:
             self.drops.drop(exc.cause, str(exc))
             if exc.cause == "bad_version":  # another protocol: a clear refusal, not a generic error
@@ -276,8 +360,7 @@ class Broker:
             else:
                 reply = make("error", reason=str(exc)[:500])
         except Exception as exc:
-            self.drops.drop("internal", repr(exc))
-            self.log.exception("request handler failed")
+            self.handler_failed("request", exc)
             reply = make("error", reason="internal error")
         return [identity, b""] + list(reply)
 
@@ -322,9 +405,10 @@ class Broker:
             self.log.warning("refused", client=who, cause=cause, reason=reason)
         return make("refused", reason=reason[:500], cause=cause)
 
-    def _retry(self, reason: str) -> List[Frame]:
+    def _retry(self, reason: str, wait_s: Optional[float] = None) -> List[Frame]:
         self.retries[reason] += 1
-        return make("retry", reason=reason, retry_ms=self.retry_ms)
+        ms = self.retry_ms if wait_s is None else max(1, int(wait_s * 1000 + 0.999))
+        return make("retry", reason=reason, retry_ms=ms)
 
     def _on_sample(self, msg: Message) -> List[Frame]:
         keys = msg.get("priority_keys") or []
@@ -336,9 +420,10 @@ class Broker:
                 except ValueError as exc:  # refused as a whole; the request itself is still served
                     self.drops.drop("bad_value", f"priorities: {exc}")
         n = msg["batch_size"]
-        capacity = self.cfg["broker"]["capacity"]
-        if not 1 <= n <= capacity:
-            raise WireError("bad_value", f"batch_size = {n} must be in [1, broker.capacity = {capacity}]")
+        top = min(self.cfg["broker"]["capacity"], MAX_BATCH_SEGMENTS)
+        if not 1 <= n <= top:
+            raise WireError("bad_value", f"batch_size = {n} must be in [1, {top}] (broker.capacity, and "
+                            f"{MAX_BATCH_SEGMENTS} segments per batch at most)")
         if msg["version"] < 0:
             raise WireError("bad_value", f"version = {msg['version']} must be >= 0")
         self.last_batch_size = n
@@ -347,12 +432,11 @@ class Broker:
             return self._retry(reason)
         if self.store is None or self.spec is None:
             return self._retry("not_enough_data")
-        batch = self.store.sample(n, msg["version"])
+        batch = self.store.sample(n, msg["version"], commit=False)
         if batch is None:
             return self._retry(self.store.last_reason or "not_enough_data")
-        self.limiter.on_sample(n)
-        self.sample_meter.add(n)
-        return make(
+        # built first, committed after: a batch that cannot be sent uses no segment up
+        reply = make(
             "batch",
             batch.wire_arrays(),
             keys=batch.keys,
@@ -361,6 +445,13 @@ class Broker:
             episodes=batch.episodes,
             spec_hash=self.spec.hash,
         )
+        if len(reply[0]) > MAX_HEADER_BYTES:  # cannot happen with the wire's limits; counted if it does
+            raise WireError("batch_unbuildable", f"batch header of {len(reply[0])} bytes > "
+                            f"{MAX_HEADER_BYTES}")
+        self.store.commit(batch)
+        self.limiter.on_sample(n)
+        self.sample_meter.add(n)
+        return reply
 
     # ---------------------------------------------------------------------------------- report
 
@@ -386,7 +477,13 @@ class Broker:
             "sample_rate": self.sample_meter.rate(now),
             "drops": {str(k): int(v) for k, v in drops.items()},
             "lag_hist": dict(st.lag_hist) if st is not None else {b: 0 for b in LAG_BUCKETS},
-            "workers": {k: w.report(now) for k, w in self.workers.items()},
+            # bounded by construction: the MAX_REPORT_WORKERS most recently seen (every string in it is
+            # bounded by the wire's limits), and how many there are in all
+            "workers": {k: self.workers[k].report(now) for k in self._recent_workers()},
+            "workers_total": len(self.workers),
+            "out_of_range": sum(w.out_of_range for w in self.workers.values()),
+            "loops": {name: clock.report(now) for name, clock in self.loops.items()},
+            "max_message_bytes": self.max_bytes,
             "episodes": self.episodes_total,
             "return_mean_100": (sum(self.returns) / len(self.returns)) if self.returns else None,
             "success_rate_100": (sum(1 for s in known if s) / len(known)) if known else None,
@@ -395,6 +492,11 @@ class Broker:
             "refused": dict(self.refused),
             "restored": self.restored,
         }
+
+    def _recent_workers(self) -> List[str]:
+        if len(self.workers) <= MAX_REPORT_WORKERS:
+            return list(self.workers)
+        return sorted(self.workers, key=lambda k: self.workers[k].last_seen)[-MAX_REPORT_WORKERS:]
 
     def report_message(self) -> List[Frame]:
         return make("status", report=self.report(), role="broker")
@@ -409,7 +511,7 @@ class Broker:
             batches=r["batches"],
             insert_rate=round(r["insert_rate"], 1),
             sample_rate=round(r["sample_rate"], 2),
-            workers=len(r["workers"]),
+            workers=r["workers_total"],
             drops=r["drops"],
             retries=r["retries"],
             lag_hist=r["lag_hist"],
@@ -531,6 +633,9 @@ def main(
     else:
         log.info("store snapshots off: no --run-dir")
     broker.snapshots = snaps
+    # libzmq copies a socket's options into its listener at bind: this cap holds for every connection,
+    # so it is fixed now. With max_message_mb = 0 it is tight only if the restored snapshot told the env
+    # spec; otherwise the per-message check below it tightens once the spec is known (docs/operations.md)
     socket_cap = 2 * broker.max_bytes + SOCKET_CAP_SLACK
     ctx = zmq.Context()
     ingest = make_socket(ctx, zmq.PULL, max_message_bytes=socket_cap, curve=sec.server())
@@ -550,6 +655,8 @@ def main(
             mode=cfg["broker"]["mode"],
             capacity=cfg["broker"]["capacity"],
             max_message_mb=net["max_message_mb"],
+            max_message_bytes=broker.max_bytes,
+            socket_cap_bytes=socket_cap,
             zclaw=__version__,
             **sec.summary(),
         )
@@ -570,7 +677,11 @@ def main(
                         frames = recv_frames(serve, zmq.NOBLOCK)
                     except zmq.Again:
                         break
-                    reply = broker.on_request(frames)
+                    try:
+                        reply = broker.on_request(frames)
+                    except Exception as exc:  # on_request catches its own; this is the last line
+                        broker.handler_failed("request", exc)
+                        continue
                     if reply is not None:
                         try:
                             # copy=True: received frames forwarded as parts still go by reference count
@@ -582,6 +693,8 @@ def main(
                             serve.send_multipart(reply, copy=True)
                         except zmq.ZMQError as exc:  # the peer vanished or its queue is full: its problem
                             broker.drops.drop("reply_failed", str(exc))
+                        except Exception as exc:
+                            broker.handler_failed("reply", exc)
             if events.get(ingest):
                 for _ in range(INGEST_BURST):
                     try:
@@ -594,11 +707,14 @@ def main(
                     if serve.getsockopt(zmq.EVENTS) & zmq.POLLIN or not broker.accepting():
                         break
             now = time.monotonic()
-            if snaps is not None:
-                snaps.tick(now)
-            if now >= next_status:
-                broker.log_status()
-                next_status = now + status_s
+            try:
+                if snaps is not None:
+                    snaps.tick(now)
+                if now >= next_status:
+                    next_status = now + status_s
+                    broker.log_status()
+            except Exception as exc:  # a snapshot or a log line must not end the service loops
+                broker.handler_failed("housekeeping", exc)
         log.info("stopping")
         broker.log_status()
         if snaps is not None:

@@ -85,6 +85,8 @@ class SampledBatch:
     seqs: List[int]
     episodes: List[Dict[str, Any]] = field(default_factory=list)
     lag_hist: Dict[str, int] = field(default_factory=dict)
+    #: the store slots the segments came from (what :meth:`Store.commit` counts a use of)
+    slots: np.ndarray = field(default_factory=lambda: np.zeros(0, dtype=np.int64))
 
     @property
     def arrays(self) -> Dict[str, np.ndarray]:
@@ -124,6 +126,8 @@ class Store:
         beta: float = 0.4,
         seed: int = 0,
         option_balanced: bool = False,
+        max_abs_obs: float = 0.0,
+        max_abs_reward: float = 0.0,
     ) -> None:
         if isinstance(capacity, bool) or not isinstance(capacity, int) or capacity < 1:
             raise ValueError(f"capacity = {capacity!r} must be an integer >= 1")
@@ -141,6 +145,9 @@ class Store:
             raise ValueError(f"beta = {beta!r} must be in [0, 1]")
         self.spec = spec
         self.capacity = capacity
+        #: bounds on |obs| (with final_obs) and |reward| of an accepted segment (0: off)
+        self.max_abs_obs = float(max_abs_obs)
+        self.max_abs_reward = float(max_abs_reward)
         self.mode = mode
         self.max_reuse = max_reuse
         self.max_staleness = max_staleness
@@ -349,6 +356,7 @@ class Store:
         T, N, M = segment_dims(msg, self.spec)
         if self.T is not None and (T, N) != (self.T, self.N):
             raise WireError("bad_shape", f"segment is T={T} x N={N}, the store holds T={self.T} x N={self.N}")
+        self._check_range(msg)
         if self.T is None:
             self._allocate(T, N)
         key = self._next_key
@@ -377,6 +385,21 @@ class Store:
         self.inserted += 1
         self.inserted_steps += T * N
         return key
+
+    def _check_range(self, msg: Message) -> None:
+        """``out_of_range`` if an observation (``obs``, ``final_obs``) or reward is beyond its bound.
+
+        Why: a simulator that blew up sends huge *finite* values, which pass the wire's finiteness
+        check and would poison every statistic trained on them (the learner's observation normaliser
+        above all). min and max, not abs: two passes without a temporary copy of the array.
+        """
+        for names, bound in ((("obs", "final_obs"), self.max_abs_obs), (("reward",), self.max_abs_reward)):
+            if bound <= 0:
+                continue
+            for name in names:
+                a = msg.arrays[name]
+                if a.size and (float(a.max()) > bound or float(a.min()) < -bound):
+                    raise WireError("out_of_range", f"{name} beyond +-{bound:g}")
 
     # ------------------------------------------------------------------------------- priorities
 
@@ -426,12 +449,14 @@ class Store:
             self.drops["stale"] += int(len(stale))
         return int(len(stale))
 
-    def sample(self, n: int, learner_version: int) -> Optional[SampledBatch]:
+    def sample(self, n: int, learner_version: int, commit: bool = True) -> Optional[SampledBatch]:
         """``n`` distinct segments in batch layout, or None (``last_reason`` says why).
 
         Stale segments are dropped first; then if fewer than ``n`` remain the answer is None with
         ``last_reason = "not_enough_data"``. Counts one use of each segment returned and removes
-        those that reached ``max_reuse``.
+        those that reached ``max_reuse``; with ``commit=False`` that is left to :meth:`commit`, which the
+        caller runs once the batch was built into a message (a batch that could not be sent must not
+        use its segments up).
         """
         if isinstance(n, bool) or not isinstance(n, int) or n < 1:
             raise ValueError(f"n = {n!r} must be an integer >= 1")
@@ -456,7 +481,10 @@ class Store:
             w = (len(occupied) * probs) ** (-self.beta)
             is_weight = (w / w.max()).astype(np.float32)
         slots = np.asarray(slots, dtype=np.int64)
-        return self._gather(slots, is_weight, int(learner_version))
+        batch = self._gather(slots, is_weight, int(learner_version))
+        if commit:
+            self.commit(batch)
+        return batch
 
     def _sample_prioritized(self, n: int) -> Tuple[np.ndarray, np.ndarray]:
         """Draw ``n`` distinct slots proportionally to priority (sequentially, without replacement).
@@ -495,8 +523,6 @@ class Store:
             extra["final_at"] = np.zeros((0, 3), dtype=np.int32)
         extra["is_weight"] = is_weight
         hist = lag_buckets(learner_version - np.concatenate(parts["policy_version"]), weight=int(self.N or 1))
-        for b, c in hist.items():
-            self.lag_hist[b] += c
         episodes: List[Dict[str, Any]] = []
         for s in slots:
             if self._uses[s] == 0:
@@ -509,7 +535,16 @@ class Store:
             seqs=[self._seqs[s] for s in slots],
             episodes=episodes,
             lag_hist=hist,
+            slots=slots,
         )
+        return batch
+
+    def commit(self, batch: SampledBatch) -> None:
+        """Count ``batch`` as served: one use of each of its segments (removing those at ``max_reuse``),
+        its lags in the histogram. Call once, right after :meth:`sample` with ``commit=False``."""
+        slots = batch.slots
+        for b, c in batch.lag_hist.items():
+            self.lag_hist[b] += c
         self._uses[slots] += 1
         if self.max_reuse > 0:
             for s in slots:
@@ -517,4 +552,3 @@ class Store:
                     self._remove(int(s))
         self.sampled += len(slots)
         self.batches += 1
-        return batch

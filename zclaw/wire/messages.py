@@ -16,9 +16,14 @@ from typing import Any, Dict, List, Mapping, Optional, Sequence, Tuple
 import msgpack
 import numpy as np
 
+from .limits import (INT_MAX, INT_MIN, KIND_HEADER_BYTES, LIST_LIMITS, MAX_BATCH_SEGMENTS,
+                     MAX_REASON_CHARS, MAX_SEGMENT_HEADER_BYTES, MAX_SPEC_ELEMENTS, MAX_TEXT_CHARS,
+                     MAX_UNKNOWN_BYTES, MAX_UNKNOWN_FIELDS)
 from .protocol import Frame, Message, WireError, decode, encode
 
 _NUM = (int, float)
+#: header fields every message has (the framing's, not the kind's)
+_FRAMING = frozenset({"v", "kind", "arrays"})
 _OPT_STR = (str, type(None))
 
 #: how a role announces itself (``hello``) and how the broker answers it (``welcome``)
@@ -84,11 +89,19 @@ SCHEMAS: Dict[str, Dict[str, Tuple[tuple, bool]]] = {
 }
 
 
-def check_header(msg: Message) -> Message:
-    """Validate ``msg``'s header against its kind's schema; raise :class:`WireError` if it does not fit."""
+def check_header(msg: Message, limits: bool = True) -> Message:
+    """Validate ``msg``'s header against its kind's schema and the wire's limits (:mod:`.limits`);
+    raise :class:`WireError` if it does not fit: ``malformed`` (a field missing or mistyped),
+    ``oversize_header`` (a header larger than its kind allows), ``oversize_field`` (a string or list
+    over its limit, an integer outside int64), ``unknown_fields`` (too many or too large fields outside
+    the schema). ``limits=False`` checks the schema only (what :func:`make` does for a sender's own
+    messages: the receiver enforces the limits)."""
     schema = SCHEMAS.get(msg.kind)
     if schema is None:
         raise WireError("unknown_kind", f"kind {msg.kind!r}")
+    cap = KIND_HEADER_BYTES.get(msg.kind)
+    if limits and cap is not None and msg.header_bytes > cap:
+        raise WireError("oversize_header", f"{msg.kind} header of {msg.header_bytes} bytes > {cap}")
     for name, (types, required) in schema.items():
         if name not in msg.header:
             if required:
@@ -97,6 +110,29 @@ def check_header(msg: Message) -> Message:
         value = msg.header[name]
         if not isinstance(value, types) or (isinstance(value, bool) and bool not in types):
             raise WireError("malformed", f"{msg.kind} header field {name!r} has type {type(value).__name__}")
+        if not limits:
+            continue
+        if isinstance(value, str):
+            limit = MAX_REASON_CHARS if name == "reason" else MAX_TEXT_CHARS
+            if len(value) > limit:
+                raise WireError("oversize_field", f"{msg.kind} field {name!r} has {len(value)} characters "
+                                f"> {limit}")
+        elif isinstance(value, list):
+            limit = LIST_LIMITS.get((msg.kind, name), MAX_BATCH_SEGMENTS)
+            if len(value) > limit:
+                raise WireError("oversize_field", f"{msg.kind} field {name!r} has {len(value)} entries "
+                                f"> {limit}")
+        elif isinstance(value, int) and not INT_MIN <= value <= INT_MAX:
+            raise WireError("oversize_field", f"{msg.kind} field {name!r} is outside int64")
+    unknown = [k for k in msg.header if k not in schema and k not in _FRAMING] if limits else []
+    if unknown:
+        if len(unknown) > MAX_UNKNOWN_FIELDS:
+            raise WireError("unknown_fields", f"{len(unknown)} fields outside the {msg.kind} schema "
+                            f"> {MAX_UNKNOWN_FIELDS}")
+        size = sum(len(k) + len(msgpack.packb(msg.header[k], use_bin_type=True)) for k in unknown)
+        if size > MAX_UNKNOWN_BYTES:
+            raise WireError("unknown_fields", f"{size} bytes of fields outside the {msg.kind} schema "
+                            f"> {MAX_UNKNOWN_BYTES}")
     return msg
 
 
@@ -111,7 +147,7 @@ def parse(frames: Sequence[Frame], kinds: Optional[Sequence[str]] = None) -> Mes
 def make(kind: str, arrays: Optional[Mapping[str, np.ndarray]] = None, **fields: Any) -> List[Frame]:
     """Build the frames of a message of ``kind`` (the header is checked against the schema first)."""
     header = {"kind": kind, **fields}
-    check_header(Message(header, {}))
+    check_header(Message(header, {}), limits=False)
     return encode(header, arrays)
 
 
@@ -139,7 +175,26 @@ class EnvSpec:
 
     @classmethod
     def from_dict(cls, d: Mapping[str, Any]) -> "EnvSpec":
+        """The spec of a map that came off the wire; :class:`WireError` (``bad_spec``) if it is not
+        one: fields missing or mistyped, shapes not lists of at most 8 positive ints whose product is at
+        most ``MAX_SPEC_ELEMENTS``, bounds not finite numbers, the id over ``MAX_TEXT_CHARS``."""
         try:
+            if not isinstance(d, Mapping):
+                raise TypeError("not a map")
+            shapes = [d["obs_shape"], d["action_shape"]]
+            bounds = [d["action_low"], d["action_high"]]
+            for shape in shapes:
+                if (not isinstance(shape, (list, tuple)) or not 1 <= len(shape) <= 8
+                        or any(isinstance(x, bool) or not isinstance(x, int) for x in shape)):
+                    raise TypeError("a shape must be a list of 1 to 8 integers")
+                if any(x <= 0 for x in shape) or math.prod(shape) > MAX_SPEC_ELEMENTS:
+                    raise ValueError(f"shapes must be positive with at most {MAX_SPEC_ELEMENTS} elements")
+            for b in bounds:
+                if (not isinstance(b, (list, tuple)) or len(b) > MAX_SPEC_ELEMENTS
+                        or any(isinstance(x, bool) or not isinstance(x, (int, float)) for x in b)):
+                    raise TypeError("action bounds must be lists of numbers")
+            if not isinstance(d["env_id"], str) or len(d["env_id"]) > MAX_TEXT_CHARS:
+                raise TypeError(f"env_id must be a string of at most {MAX_TEXT_CHARS} characters")
             spec = cls(
                 env_id=str(d["env_id"]),
                 obs_shape=tuple(int(x) for x in d["obs_shape"]),
@@ -147,15 +202,13 @@ class EnvSpec:
                 action_low=tuple(float(x) for x in d["action_low"]),
                 action_high=tuple(float(x) for x in d["action_high"]),
             )
-        except (KeyError, TypeError, ValueError) as exc:
+        except (KeyError, TypeError, ValueError, OverflowError) as exc:
             raise WireError("bad_spec", f"env spec is incomplete or mistyped ({exc})") from None
         n_act = int(np.prod(spec.action_shape))
         if len(spec.action_low) != n_act or len(spec.action_high) != n_act:
             raise WireError("bad_spec", "action bounds do not match the action shape")
         if not all(math.isfinite(x) for x in spec.action_low + spec.action_high):
             raise WireError("bad_spec", "action bounds must be finite")
-        if any(d <= 0 for d in spec.obs_shape + spec.action_shape):
-            raise WireError("bad_spec", "shapes must be positive")
         return spec
 
     @cached_property  # the spec is frozen; segments and batches compare it on the broker's hot path
@@ -232,6 +285,17 @@ def segment_dims(msg: Message, spec: EnvSpec, max_options: int = MAX_OPTIONS) ->
         if not math.isfinite(ep["return"]):
             raise WireError("non_finite", "episode return is not finite")
     return T, N, M
+
+
+def max_segment_bytes(spec: EnvSpec, T: int, N: int) -> int:
+    """Bytes of the largest legal T x N segment of ``spec``: every array with a truncation at every step
+    (M = T x N rows of ``final_obs``), plus the largest segment header the wire allows."""
+    total = MAX_SEGMENT_HEADER_BYTES
+    for dtype, shape_of in SEGMENT_ARRAYS.values():
+        total += math.prod(shape_of(T, N, spec)) * np.dtype(dtype).itemsize
+    for dtype, shape_of in FINAL_ARRAYS.values():
+        total += math.prod(shape_of(T * N, spec)) * np.dtype(dtype).itemsize
+    return int(total)
 
 
 @lru_cache(maxsize=64)

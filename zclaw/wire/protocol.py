@@ -190,6 +190,8 @@ def _decode_header(raw: Frame) -> Dict[str, Any]:
 
 
 _MAX_DIM = 1 << 40
+#: what numpy can describe at all (its sizes are signed 64-bit); only zero-sized arrays get near it
+_MAX_NDARRAY_BYTES = 1 << 62
 
 
 def _dims_ok(shape: Any) -> bool:
@@ -240,11 +242,13 @@ def _array_list(header: Mapping[str, Any]) -> List[Tuple[str, str, Tuple[int, ..
 class Message:
     """A decoded, validated message: ``kind``, the header map and numpy views of its arrays."""
 
-    __slots__ = ("header", "arrays")
+    __slots__ = ("header", "arrays", "header_bytes")
 
-    def __init__(self, header: Dict[str, Any], arrays: Dict[str, np.ndarray]) -> None:
+    def __init__(self, header: Dict[str, Any], arrays: Dict[str, np.ndarray], header_bytes: int = 0) -> None:
         self.header = header
         self.arrays = arrays
+        #: bytes of the header frame it was decoded from (0 for a message built locally)
+        self.header_bytes = header_bytes
 
     @property
     def kind(self) -> str:
@@ -278,6 +282,21 @@ def decode(frames: Sequence[Frame], check_finite: bool = True) -> Message:
     n_frames = sum(entry[3] for entry in descr)
     if n_frames != len(frames) - 1:
         raise WireError("bad_length", f"header lists {n_frames} array frames, message has {len(frames) - 1}")
+    # every frame's length against what its header entry implies, in Python ints (no overflow), before
+    # anything is allocated: a header may claim any shape, only the bytes received are real
+    pos = 1
+    for name, dtype, shape, parts in descr:
+        if math.prod(d for d in shape if d) * _DTYPES[dtype].itemsize >= _MAX_NDARRAY_BYTES:
+            # numpy refuses such a shape even with a zero dimension somewhere (the array holds nothing)
+            raise WireError("bad_shape", f"array {name!r} has shape {list(shape)}: beyond any address space")
+        row = shape[1:] if parts > 1 else shape
+        expected = math.prod(row) * _DTYPES[dtype].itemsize
+        for i in range(parts):
+            got = len(_as_buffer(frames[pos + i]))
+            if got != expected:
+                raise WireError("bad_length", f"array {name!r}: {got} bytes, {dtype}{list(row)} needs "
+                                f"{expected}")
+        pos += parts
     arrays: Dict[str, np.ndarray] = {}
     pos = 1
     for name, dtype, shape, parts in descr:
@@ -285,13 +304,13 @@ def decode(frames: Sequence[Frame], check_finite: bool = True) -> Message:
         if parts == 1:
             arrays[name] = _view(frames[pos], name, dt, shape, check_finite)
         else:  # parts, each checked, copied once into a fresh array (which the receiver needs anyway)
-            out = np.empty(shape, dt)
+            out = np.empty(shape, dt)  # no larger than the parts' bytes, which were all received
             for i in range(parts):
                 out[i] = _view(frames[pos + i], name, dt, shape[1:], check_finite)
             arrays[name] = out
         pos += parts
     del header["arrays"]
-    return Message(header, arrays)
+    return Message(header, arrays, len(_as_buffer(frames[0])))
 
 
 def _view(frame: Frame, name: str, dt: np.dtype, shape: Tuple[int, ...], check_finite: bool) -> np.ndarray:
@@ -302,6 +321,7 @@ def _view(frame: Frame, name: str, dt: np.dtype, shape: Tuple[int, ...], check_f
     if len(buf) != expected:
         raise WireError("bad_length", f"array {name!r}: {len(buf)} bytes, "
                         f"{dt.str}{list(shape)} needs {expected}")
+    # a zero-byte array: numpy refuses shapes whose other dimensions overflow even when one is 0
     arr = np.ndarray(shape, dt, buf) if expected else np.zeros(shape, dt)
     if check_finite and dt.kind == "f" and expected and not np.isfinite(arr).all():
         raise WireError("non_finite", f"array {name!r} holds NaN or infinity")

@@ -26,11 +26,21 @@ import zmq
 from .messages import parse
 from .protocol import Frame, Message, WireError
 
+#: the receive cap of a client socket (weights, batches, replies) when ``network.max_message_mb`` is 0
+#: (auto): the broker derives its own ingest cap from the env spec (``zclaw.broker.server``), a client
+#: receives what trusted servers send
 DEFAULT_MAX_MESSAGE_BYTES = 256 << 20
+
 #: a client logs undecodable replies at most once per this many seconds (they are counted in ``drops``)
 BAD_REPLY_LOG_S = 10.0
 #: the ZAP domain of every zclaw server socket (the authenticator's allowlist is registered for it)
 ZAP_DOMAIN = "zclaw"
+
+
+def message_cap_bytes(max_message_mb: int) -> int:
+    """The receive cap in bytes for ``network.max_message_mb`` (0: auto, :data:`DEFAULT_MAX_MESSAGE_BYTES`
+    for a client socket)."""
+    return int(max_message_mb) << 20 if int(max_message_mb) > 0 else DEFAULT_MAX_MESSAGE_BYTES
 
 
 @dataclass(frozen=True)
@@ -141,7 +151,11 @@ def make_socket(
 
     ``curve``: None for plain TCP, :class:`CurveServer` for a socket that binds and admits only
     allowlisted clients, :class:`CurveClient` for one that connects to such a server (see module doc).
+    ``max_message_bytes <= 0`` (``network.max_message_mb = 0``, auto) means
+    :data:`DEFAULT_MAX_MESSAGE_BYTES`.
     """
+    if max_message_bytes <= 0:
+        max_message_bytes = DEFAULT_MAX_MESSAGE_BYTES
     sock = ctx.socket(kind)
     if curve is not None:
         try:
