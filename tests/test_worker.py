@@ -11,6 +11,7 @@ import threading
 import time
 from typing import Any, Dict, List, Optional
 
+import numpy as np
 import pytest
 import torch
 import zmq
@@ -300,3 +301,79 @@ def test_worker_waits_then_backpressure_then_delivers_in_order(spec: EnvSpec) ->
         if pull is not None:
             pull.close(0)
         ctx.term()
+
+
+# ------------------------------------------------------------------------------ values out of range
+
+
+def _blown_up_step(spec: EnvSpec, form: str, bad_env: int, what: str) -> Any:
+    """A StepResult of N envs where env ``bad_env`` blew up (obs 1e30, reward 1e30 or NaN obs); ``form``
+    is how the backend hands out final observations (dict, dense, or the obs tensor itself)."""
+    from zclaw.core import StepResult
+
+    obs = torch.ones((N,) + spec.obs_shape)
+    reward = torch.zeros(N)
+    if what == "obs":
+        obs[bad_env, 0] = 1e30
+    elif what == "nan":
+        obs[bad_env, -1] = float("nan")
+    else:
+        reward[bad_env] = 1e30
+    truncated = torch.zeros(N, dtype=torch.bool)
+    truncated[0] = True  # env 0 ended by itself this step (a time limit), with a valid final obs
+    final: Any = {0: torch.full(spec.obs_shape, 3.0)} if form == "dict" else (
+        obs if form == "next" else torch.full((N,) + spec.obs_shape, 3.0))
+    return StepResult(obs, reward, torch.zeros(N, dtype=torch.bool), truncated, final, [])
+
+
+@pytest.mark.parametrize("form", ["dict", "dense", "next"])
+@pytest.mark.parametrize("what", ["obs", "reward", "nan"])
+def test_a_blown_up_env_ends_as_a_truncation_and_no_bad_value_is_sent(
+    spec: EnvSpec, form: str, what: str
+) -> None:
+    from zclaw.worker.worker import SegmentBuffer, ValueGuard
+
+    class Log:
+        def __getattr__(self, name: str) -> Any:
+            return lambda *a, **k: None
+
+    guard = ValueGuard(1e6, 1e6, Log())
+    buf = SegmentBuffer(4, N, spec)
+    t, bad_env = 2, 2
+    for step in range(t):  # two healthy steps first (no env ends)
+        buf.obs[step] = float(step)
+        ok = _blown_up_step(spec, form, bad_env, what)._replace(truncated=torch.zeros(N, dtype=torch.bool))
+        ok = ok._replace(obs=torch.full((N,) + spec.obs_shape, float(step + 1)), reward=torch.zeros(N),
+                         final_obs={} if form == "dict" else ok.obs)
+        if form == "next":
+            ok = ok._replace(final_obs=ok.obs)
+        assert guard.check(ok) is None
+        if form != "dict":
+            buf.record_finals(step, ok.final_obs, ok.obs)
+    buf.obs[t] = 2.0  # what the envs acted on at step t: in range
+    res = _blown_up_step(spec, form, bad_env, what)
+    buf.reward[t] = res.reward
+    buf.truncated[t] = res.truncated
+    buf.record_finals(t, res.final_obs, res.obs)
+    found = guard.check(res)
+    assert found is not None
+    guard.truncate(buf, t, found, res)
+    buf.obs[t + 1] = 0.5  # the reset observation
+    buf.obs[t + 2] = 0.5
+    arrays, _ = buf.take()
+    # every env's episode ends at t as a truncation, none as a termination
+    assert arrays["truncated"][t].all() and not arrays["terminated"][t].any()
+    assert not arrays["truncated"][:t].any()
+    # nothing out of range goes on the wire
+    for name in ("obs", "final_obs", "reward"):
+        a = arrays[name]
+        assert np.isfinite(a).all() and (np.abs(a) <= 1e6).all(), (name, a)
+    finals = {(int(tt), int(n)): fo for (tt, n), fo in zip(arrays["final_at"], arrays["final_obs"])}
+    assert set(finals) == {(t, n) for n in range(N)}
+    assert (finals[(t, bad_env)] == 2.0).all(), "a blown-up env bootstraps from its last in-range obs"
+    healthy = 1 if bad_env != 1 else 3
+    assert (finals[(t, healthy)] == 1.0).all(), "a healthy env cut short bootstraps from its new obs"
+    if form != "next":  # env 0 ended by itself: its own final observation is kept
+        assert (finals[(t, 0)] == 3.0).all()
+    cause = "reward_out_of_range" if what == "reward" else "obs_out_of_range"
+    assert guard.counts()[cause] == 1 and guard.counts()["cut_short"] == N - 2

@@ -124,7 +124,10 @@ class SegmentBuffer:
             for n, fo in final_obs.items():
                 self.finals.append((t, int(n), fo.reshape(self.spec.obs_shape)))
         elif final_obs is obs:
-            self.final_from_next = True
+            if self.final_dense is not None:  # converted to dense by a forced truncation (ValueGuard)
+                self.final_dense[t] = obs
+            else:
+                self.final_from_next = True
         else:
             if self.final_dense is None:
                 self.final_dense = torch.zeros(
@@ -166,6 +169,109 @@ class SegmentBuffer:
         self.final_from_next = False
         self.episodes = []
         return out, episodes
+
+
+# ------------------------------------------------------------------------------------- value bounds
+
+
+class ValueGuard:
+    """Ends episodes whose simulator blew up: an observation element beyond ``max_abs_obs`` or a reward
+    beyond ``max_abs_reward`` (or either not finite) ends that episode at once as a *truncation*.
+
+    Why a truncation, and what is sent instead of the offending values: the data must stay valid for
+    the learner, and its observation normaliser must never see the blown-up numbers (one 1e30
+    observation poisons the running variance for good). So the step that produced them is kept, with
+
+    * its reward clamped to +-``max_abs_reward`` (NaN -> 0): the transition happened, its size is lost;
+    * ``truncated`` set and ``terminated`` cleared: the episode did not reach a real end, so the
+      learner bootstraps instead of assuming a value of 0;
+    * as final observation (what the bootstrap value is computed from) the *previous* observation of
+      that env, the last one known to be in range: an in-distribution state of the same episode,
+      whereas a clipped or zeroed one would be a state the policy never saw.
+
+    Backends reset all envs at once (``BatchedEnv.reset``; there is no per-env reset), so the other
+    envs' episodes are truncated at the same step too, each with its own (valid) observation as final
+    one, and the worker resets every env. Counted per cause in :attr:`drops`
+    (``obs_out_of_range``, ``reward_out_of_range``: episodes that blew up) and :attr:`cut_short`
+    (healthy episodes ended with them). The check is one reduction per step; on a GPU backend its
+    ``any()`` is one small device-to-host read per step.
+    """
+
+    def __init__(self, max_abs_obs: float, max_abs_reward: float, log: Any) -> None:
+        self.max_obs, self.max_reward = float(max_abs_obs), float(max_abs_reward)
+        self.drops = DropCounter(log, "episodes (values out of range: a simulator blew up)")
+        self.cut_short = 0
+
+    def _bad_obs(self, x: torch.Tensor) -> torch.Tensor:
+        x = x.reshape(x.shape[0], -1)
+        return ~torch.isfinite(x).all(1) | (x.abs() > self.max_obs).any(1)
+
+    def check(self, res: Any) -> Optional[Tuple[torch.Tensor, torch.Tensor, Dict[int, bool]]]:
+        """None when every value of ``res`` is in range; else (bad obs [N], bad reward [N], envs whose
+        recorded final observation is out of range)."""
+        bad_obs = self._bad_obs(res.obs)
+        r = res.reward
+        bad_rew = ~torch.isfinite(r) | (r.abs() > self.max_reward)
+        bad_final: Dict[int, bool] = {}
+        if isinstance(res.final_obs, dict):
+            for n, fo in res.final_obs.items():
+                if bool(self._bad_obs(fo.reshape(1, -1)).any()):
+                    bad_final[int(n)] = True
+        elif res.final_obs is not res.obs:
+            bad_obs = bad_obs | (self._bad_obs(res.final_obs) & res.truncated)
+        if not bad_final and not bool((bad_obs | bad_rew).any()):
+            return None
+        return bad_obs, bad_rew, bad_final
+
+    def truncate(
+        self, buf: "SegmentBuffer", t: int, found: Tuple[torch.Tensor, torch.Tensor, Dict[int, bool]],
+        res: Any,
+    ) -> None:
+        """Rewrite step ``t`` of ``buf`` as described in the class docstring; the caller then resets every
+        env. ``buf.obs[t]`` holds the observation acted on at ``t`` (the previous, in-range one)."""
+        bad_obs, bad_rew, bad_final = found
+        N = buf.N
+        bad = (bad_obs | bad_rew).to("cpu").tolist()
+        for n in bad_final:
+            bad[n] = True
+        done = (buf.terminated[t] | buf.truncated[t]).to("cpu").tolist()
+        # the final observation of every env ended here: the last in-range one for a blown-up env, the
+        # new observation for a healthy one (an env the backend already ended keeps its own final)
+        replace: Dict[int, torch.Tensor] = {}
+        for n in range(N):
+            if bad[n]:
+                prev = torch.nan_to_num(buf.obs[t][n], nan=0.0, posinf=0.0, neginf=0.0)
+                replace[n] = prev.clamp(-self.max_obs, self.max_obs)
+            elif not done[n]:
+                replace[n] = res.obs[n]
+                self.cut_short += 1
+        if bad_obs.any():
+            self.drops.drop("obs_out_of_range", f"{int(bad_obs.sum())} env(s) at step {t}")
+        if bad_rew.any():
+            self.drops.drop("reward_out_of_range", f"{int(bad_rew.sum())} env(s) at step {t}")
+        for _ in bad_final:
+            self.drops.drop("obs_out_of_range", f"a final observation at step {t}")
+        lim = self.max_reward
+        buf.reward[t] = torch.nan_to_num(buf.reward[t], nan=0.0, posinf=lim, neginf=-lim).clamp(-lim, lim)
+        for n in replace:
+            buf.terminated[t, n] = False
+            buf.truncated[t, n] = True
+        if buf.final_from_next or (buf.final_dense is None and not isinstance(res.final_obs, dict)):
+            # deferred-reset backends take finals from obs[t + 1], which the reset overwrites: switch this
+            # buffer to dense finals (rows before t from the next observations, row t from this step)
+            dense = torch.zeros((buf.T, N) + buf.spec.obs_shape, dtype=torch.float32, device=buf.device)
+            dense[:t] = buf.obs[1:t + 1]
+            dense[t] = res.obs
+            buf.final_dense, buf.final_from_next = dense, False
+        if buf.final_dense is not None:
+            for n, fo in replace.items():
+                buf.final_dense[t, n] = fo
+        else:
+            buf.finals = [f for f in buf.finals if not (f[0] == t and f[1] in replace)]
+            buf.finals.extend((t, n, fo) for n, fo in sorted(replace.items()))
+
+    def counts(self) -> Dict[str, int]:
+        return dict(self.drops.as_dict(), cut_short=self.cut_short)
 
 
 # ------------------------------------------------------------------------------------------ weights
@@ -347,6 +453,8 @@ class Worker:
         )
         self._last_status = time.monotonic()
         self._steps_at_status = 0
+        w = cfg["worker"]
+        self.guard = ValueGuard(float(w["max_abs_obs"]), float(w["max_abs_reward"]), log)
 
     # -- messages ----------------------------------------------------------------------------------
     def _hello_frames(self) -> List[Any]:
@@ -457,6 +565,11 @@ class Worker:
                 episode_start = res.terminated | res.truncated
                 prev_option = out["option"]
                 obs = res.obs
+                found = self.guard.check(res)
+                if found is not None:  # a simulator blew up: end every episode here, send no bad value
+                    self.guard.truncate(buf, t, found, res)
+                    obs = env.reset()
+                    episode_start = torch.ones(N, dtype=torch.bool, device=self.device)
                 t += 1
             if t < T:  # stopped mid-segment: an incomplete segment is not a segment
                 break
@@ -496,6 +609,7 @@ class Worker:
             version=self.version,
             episodes=self.episodes_done,
             return_mean_100=round(float(np.mean(rets)), 3) if rets else None,
+            out_of_range=self.guard.counts(),
             **self.sender.counters(),
         )
 
