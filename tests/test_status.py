@@ -1,6 +1,7 @@
 """`zclaw status` against real broker, learner and worker processes: its figures are the roles' own."""
 from __future__ import annotations
 
+import time
 import json
 import socket
 import subprocess
@@ -91,3 +92,15 @@ def test_status_reads_a_run_directory_config(tmp_path: Path) -> None:
     out = subprocess.run(ZCLAW + ["status", "--run-dir", str(tmp_path)], capture_output=True, text=True,
                          timeout=30)
     assert out.returncode == 2 and "no config.toml" in out.stderr
+
+
+def test_loops_show_each_service_loops_last_answer_age() -> None:
+    from zclaw.tools.status import build_snapshot, render
+
+    now = time.time()
+    learner = {"version": 3, "loops": {"learner-router": {"last_answer_unix": now - 2.0, "errors": 1},
+                                       "learner-train": {"last_answer_unix": None}}}
+    snap = build_snapshot(None, learner, {"broker": "tcp://127.0.0.1:1", "learner": "tcp://127.0.0.1:2"})
+    text = render(snap)
+    assert "loops: last answer learner-router 2." in text and "(1 errors)" in text
+    assert "learner-train never" in text

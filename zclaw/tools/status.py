@@ -6,7 +6,9 @@ say. The only derived figure is a worker's ``behind``: the learner's version min
 the broker has seen in that worker's segments (how many updates its weights lag).
 
 A role that does not answer within the timeout is shown as "no answer" (a one-try Lazy Pirate through
-:class:`zclaw.launch.StatusClient`, so a dead role costs one timeout, never a hang).
+:class:`zclaw.launch.StatusClient`, so a dead role costs one timeout, never a hang); so is a role whose
+reply cannot be decoded (e.g. larger than the decoder's cap): it counts as that one try, never a retry
+loop. Each role's ``loops`` (service loops and when each last answered) is shown under it.
 """
 from __future__ import annotations
 
@@ -151,6 +153,22 @@ def options_lines(options: Any) -> List[str]:
     return out
 
 
+def loops_line(report: Optional[Dict[str, Any]], now: float) -> Optional[str]:
+    """A role's service loops (its report's ``loops`` map) and how long ago each last answered, from
+    ``last_answer_unix`` (so a frozen loop shows a growing age even in an old report)."""
+    loops = (report or {}).get("loops")
+    if not isinstance(loops, dict) or not loops:
+        return None
+    parts = []
+    for name, info in sorted(loops.items()):
+        info = info if isinstance(info, dict) else {}
+        at = info.get("last_answer_unix")
+        age = "never" if not isinstance(at, (int, float)) else f"{max(0.0, now - at):.1f} s ago"
+        errors = info.get("errors")
+        parts.append(f"{name} {age}" + (f" ({errors} errors)" if errors else ""))
+    return "         loops: last answer " + ", ".join(parts)
+
+
 def render(snap: Dict[str, Any]) -> str:
     """The text view of a snapshot (what the live view redraws)."""
     ep = snap["endpoints"]
@@ -171,6 +189,9 @@ def render(snap: Dict[str, Any]) -> str:
             f"{_f(L.get('lag_mean'))} max {_f(L.get('lag_max'))}"
             + (f"  state: {L['state']}" if L.get("state") else "")
         )
+        loops = loops_line(L, snap["time"])
+        if loops:
+            lines.append(loops)
         losses = L.get("losses") or {}
         if losses:
             items = [f"{k} {_f(v, 4)}" for k, v in sorted(losses.items())]
@@ -194,6 +215,9 @@ def render(snap: Dict[str, Any]) -> str:
         )
         lines.append(f"         return (last 100) {_f(B.get('return_mean_100'))}  success "
                      f"{_f(B.get('success_rate_100'))}  episodes {_f(B.get('episodes'))}  drops: {drop_text}")
+        loops = loops_line(B, snap["time"])
+        if loops:
+            lines.append(loops)
         hist = B.get("lag_hist") or {}
         total = float(sum(hist.values()))
         if total > 0:
