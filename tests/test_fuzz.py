@@ -229,6 +229,8 @@ def test_fuzz_broker_and_learner_drop_exactly_the_bad_and_keep_good_data(tmp_pat
         [sys.executable, "-m", "zclaw.cli", "learner", "--run-dir", str(tmp_path / "run"),
          "--set", f"network.learner_port={learner_port}", "--set", f"network.publish_port={free_port()}",
          "--set", f"network.serve_port={free_port()}", "--set", "learner.tensorboard=false",
+         # the fuzz checks decoding, not fairness: no token bucket in the way of its 20,000 requests
+         "--set", "learner.request_rate=1e6", "--set", "learner.request_burst=1e6",
          "--set", 'log.format="json"'], stdout=learner_log, stderr=subprocess.STDOUT)
     ctx = broker.ctx
     try:
