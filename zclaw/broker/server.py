@@ -26,7 +26,10 @@ the message never reaches us, so it could not be counted. The sockets therefore 
 ``MAXMSGSIZE = 2 x network.max_message_mb + 64 KiB`` as a hard backstop (memory stays bounded), and
 the broker itself drops and counts as ``oversize`` any message whose frames total more than
 ``network.max_message_mb``. Between the two caps a peer is counted and stays connected; above the
-socket cap (per frame, as libzmq checks it) it is disconnected by libzmq, uncounted.
+socket cap (per frame, as libzmq checks it) it is disconnected by libzmq, uncounted. With
+``max_message_mb = 0`` (auto) the per-message cap follows the env spec once it is known
+(:func:`auto_cap_bytes`); the socket cap is fixed at bind (libzmq copies it into the listener), so it is
+tight only when the cap is explicit or a restored snapshot told the spec (``docs/operations.md``).
 """
 from __future__ import annotations
 
