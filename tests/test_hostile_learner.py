@@ -7,13 +7,16 @@ against live roles are in tests/test_faults.py.
 """
 from __future__ import annotations
 
+import subprocess
 import threading
 import time
-from typing import Any, Iterator, List
+from pathlib import Path
+from typing import Any, Dict, Iterator, List
 
 import msgpack
 import pytest
 import zmq
+from test_e2e import ZCLAW, Roles, log_lines
 
 from zclaw.launch import StatusClient
 from zclaw.learner import server
@@ -192,3 +195,168 @@ def test_clients_give_up_on_undecodable_replies_after_their_tries() -> None:
         bad.stop.set()
         bad.join(5)
         ctx.destroy(linger=0)
+
+
+# ------------------------------------------------------------------------- the same, against live roles
+
+
+def _acting(path: Any, timeout: float = 90) -> dict:
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        found = [e for e in log_lines(path) if e.get("event") == "acting"] if path.exists() else []
+        if found:
+            return found[0]
+        time.sleep(0.1)
+    raise AssertionError(f"no 'acting' in {path.name}:\n{path.read_text()[-3000:]}")
+
+
+class _Flood(threading.Thread):
+    """One client sending snapshot and status requests as fast as it can (32 in flight on a DEALER)."""
+
+    def __init__(self, ctx: zmq.Context, endpoint: str) -> None:
+        super().__init__(daemon=True)
+        self.sock = ctx.socket(zmq.DEALER)
+        self.sock.setsockopt(zmq.LINGER, 0)
+        self.sock.connect(endpoint)
+        self.stop = threading.Event()
+        self.replies: Dict[str, int] = {}
+
+    def run(self) -> None:
+        reqs = [[b""] + make("snapshot"), [b""] + make("status")]
+        in_flight, i = 0, 0
+        while not self.stop.is_set():
+            while in_flight < 32:
+                self.sock.send_multipart(reqs[i % 2])
+                in_flight, i = in_flight + 1, i + 1
+            if self.sock.poll(100):
+                frames = self.sock.recv_multipart()
+                in_flight -= 1
+                try:
+                    kind = parse(frames[1:]).kind
+                except Exception:
+                    kind = "other"
+                self.replies[kind] = self.replies.get(kind, 0) + 1
+        self.sock.close(linger=0)
+
+
+@pytest.mark.fault
+def test_live_learner_answers_after_huge_parts_and_a_joining_worker_acts_through_a_flood(
+    roles: Roles, tmp_path: Path
+) -> None:
+    roles.start("broker")
+    roles.start("learner", "--run-dir", str(tmp_path / "run"), "--set", "learner.tensorboard=false")
+    roles.start("worker", "--index", "0", name="worker0")
+    roles.wait(roles.learner, lambda r: (r.get("version") or 0) >= 2, timeout=120)
+    endpoint = tcp("127.0.0.1", roles.ports["learner_port"])
+
+    raw = roles.ctx.socket(zmq.REQ)
+    raw.setsockopt(zmq.LINGER, 0)
+    raw.connect(endpoint)
+    raw.send_multipart(huge_parts_status())
+    assert raw.poll(10000), "the learner did not answer the huge parts request"
+    assert parse(raw.recv_multipart()).kind == "error"
+    raw.close(linger=0)
+    rep = roles.learner.report()
+    assert rep is not None, "the learner stopped answering status"
+    drops = rep["request_drops"]
+    assert sum(drops.values()) >= 1 and "internal" not in drops, drops
+
+    roles.start("worker", "--index", "1", name="worker1")
+    idle = _acting(tmp_path / "worker1.log")
+    flood = _Flood(roles.ctx, endpoint)
+    flood.start()
+    try:
+        v0 = roles.learner.report()["version"]
+        roles.start("worker", "--index", "2", name="worker2")
+        flooded = _acting(tmp_path / "worker2.log")
+        roles.wait(roles.learner, lambda r: r["version"] >= v0 + 2, timeout=60)  # training goes on
+    finally:
+        flood.stop.set()
+        flood.join(10)
+    assert flooded["version"] >= v0, "the joining worker got current weights"
+    assert flood.replies.get("retry", 0) > 0, flood.replies
+    rep = roles.learner.report()
+    assert rep["request_drops"].get("rate_limited", 0) > 0 and "internal" not in rep["request_drops"], rep
+    print(f"\njoin_s idle {idle['join_s']} s, under a snapshot+status flood {flooded['join_s']} s; "
+          f"flood replies {flood.replies}")
+
+
+class _StatusSpoiler(threading.Thread):
+    """Stands between the learner and the broker: forwards everything, but answers ``status`` itself with
+    a reply no zclaw decoder accepts (a header past MAX_HEADER_BYTES), as a broker whose report grew."""
+
+    def __init__(self, ctx: zmq.Context, broker: str) -> None:
+        super().__init__(daemon=True)
+        self.ctx, self.broker = ctx, broker
+        self.front = ctx.socket(zmq.ROUTER)
+        self.front.setsockopt(zmq.LINGER, 0)
+        self.port = self.front.bind_to_random_port("tcp://127.0.0.1")
+        self.backs: Dict[bytes, zmq.Socket] = {}  # one DEALER per client: the broker sees one peer each
+        self.stop = threading.Event()
+        self.spoiled = 0
+        self.answer = make("status", report={"blob": "x" * (MAX_HEADER_BYTES + 1024)})
+
+    def run(self) -> None:
+        poller = zmq.Poller()
+        poller.register(self.front, zmq.POLLIN)
+        while not self.stop.is_set():
+            ready = dict(poller.poll(100))
+            if self.front in ready:
+                frames = self.front.recv_multipart()
+                ident, rest = frames[0], frames[1:]
+                try:
+                    kind = parse(rest[1:]).kind
+                except Exception:
+                    kind = ""
+                if kind == "status":
+                    self.spoiled += 1
+                    self.front.send_multipart([ident, b""] + self.answer)
+                else:
+                    if ident not in self.backs:
+                        back = self.ctx.socket(zmq.DEALER)
+                        back.setsockopt(zmq.LINGER, 0)
+                        back.connect(self.broker)
+                        self.backs[ident] = back
+                        poller.register(back, zmq.POLLIN)
+                    self.backs[ident].send_multipart(rest)
+            for ident, back in self.backs.items():
+                if back in ready:
+                    self.front.send_multipart([ident] + back.recv_multipart())
+        self.front.close(linger=0)
+        for back in self.backs.values():
+            back.close(linger=0)
+
+
+@pytest.mark.fault
+def test_learner_trains_on_and_status_returns_when_the_brokers_status_cannot_be_decoded(
+    roles: Roles, tmp_path: Path
+) -> None:
+    spoiler = _StatusSpoiler(roles.ctx, tcp("127.0.0.1", roles.ports["serve_port"]))
+    spoiler.start()
+    try:
+        roles.start("broker")
+        roles.start("learner", "--run-dir", str(tmp_path / "run"), "--set", "learner.tensorboard=false",
+                    "--set", "log.metrics_s=0.5", "--set", f"network.serve_port={spoiler.port}")
+        roles.start("worker", "--index", "0", name="worker0")
+        rep = roles.wait(roles.learner, lambda r: (r.get("version") or 0) >= 2, timeout=120)
+        v = rep["version"]
+        rep = roles.wait(roles.learner, lambda r: r["version"] >= v + 5 and sum(
+            (r.get("broker_status_drops") or {}).values()) >= 3, timeout=90)
+        assert spoiler.spoiled >= 3 and "oversize" in rep["broker_status_drops"], rep
+        bad = [e for e in log_lines(tmp_path / "learner.log") if e.get("event") == "bad reply"]
+        assert len(bad) <= 1 + spoiler.spoiled // 10, "bad replies are logged at most once per interval"
+        out = subprocess.run(ZCLAW + ["status", "--once", "--broker", f"127.0.0.1:{spoiler.port}",
+                                      "--learner", f"127.0.0.1:{roles.ports['learner_port']}"],
+                             capture_output=True, text=True, timeout=60)
+        assert out.returncode == 0, out.stdout + out.stderr
+        assert "BROKER   no answer" in out.stdout and "LEARNER  version" in out.stdout, out.stdout
+    finally:
+        spoiler.stop.set()
+        spoiler.join(5)
+
+
+@pytest.fixture
+def roles(tmp_path: Path) -> Iterator[Roles]:
+    r = Roles(tmp_path)
+    yield r
+    r.close()
