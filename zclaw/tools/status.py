@@ -163,8 +163,14 @@ def loops_line(report: Optional[Dict[str, Any]], now: float) -> Optional[str]:
     for name, info in sorted(loops.items()):
         info = info if isinstance(info, dict) else {}
         at = info.get("last_answer_unix")
-        age = "never" if not isinstance(at, (int, float)) else f"{max(0.0, now - at):.1f} s ago"
-        errors = info.get("errors")
+        ago = info.get("last_answer_age_s", info.get("last_s_ago"))  # the broker reports the age itself
+        if isinstance(at, (int, float)):
+            age = f"{max(0.0, now - at):.1f} s ago"
+        elif isinstance(ago, (int, float)):
+            age = f"{ago:.1f} s ago"
+        else:
+            age = "never"
+        errors = info.get("errors", info.get("internal"))
         parts.append(f"{name} {age}" + (f" ({errors} errors)" if errors else ""))
     return "         loops: last answer " + ", ".join(parts)
 
