@@ -132,7 +132,10 @@ from stable_baselines3.common.callbacks import BaseCallback
 from stable_baselines3.common.env_util import make_vec_env
 from stable_baselines3.common.vec_env import VecNormalize
 env_id, seed, cap, gamma = sys.argv[1], int(sys.argv[2]), float(sys.argv[3]), float(sys.argv[5])
-wrap = gym.wrappers.FlattenObservation if env_id.startswith("Fetch") else None
+probe = gym.make(env_id)
+dict_obs = isinstance(probe.observation_space, gym.spaces.Dict)  # Fetch, hands: flattened as zclaw does
+probe.close()
+wrap = gym.wrappers.FlattenObservation if dict_obs else None
 venv = VecNormalize(make_vec_env(env_id, n_envs=8, seed=seed, wrapper_class=wrap,
                                  monitor_kwargs={"info_keywords": ("is_success",)} if wrap else None))
 class Log(BaseCallback):
@@ -157,22 +160,31 @@ def zclaw_config(task: str) -> Dict[str, Dict[str, Any]]:
     return load_config(str(ROOT / TASKS[task]["config"]))
 
 
-def run_sb3(task: str, seed: int, cap: float, out: Path) -> Dict[str, Any]:
-    spec = TASKS[task]
-    gamma = zclaw_config(task)["learner"]["gamma"]
+def sb3_curve(env_id: str, metric: str, seed: int, cap: float, gamma: float,
+              log_path: Path) -> Tuple[List[Tuple[float, int, Optional[float]]], bool]:
+    """One SB3 PPO run (8 envs, VecNormalize, SB3's defaults but ``gamma``) for ``cap`` s; returns its
+    curve, (seconds since launch, env steps, last-100 ``metric``) every ~2 s, and whether it failed."""
     t0 = time.time()
-    p = subprocess.run([sys.executable, "-c", SB3_SCRIPT, spec["env"], str(seed), str(cap), repr(t0),
+    p = subprocess.run([sys.executable, "-c", SB3_SCRIPT, env_id, str(seed), str(cap), repr(t0),
                         str(gamma)], capture_output=True, text=True, timeout=cap + 300)
-    (out / f"sb3-{task}-s{seed}.log").write_text(p.stdout + p.stderr)
+    log_path.write_text(p.stdout + p.stderr)
     points = []
     for line in p.stdout.splitlines():
         try:
             d = json.loads(line)
         except ValueError:
             continue
-        points.append((d["t"], d.get(spec["metric"])))
+        points.append((d["t"], int(d["steps"]), d.get(metric)))
+    return points, p.returncode != 0
+
+
+def run_sb3(task: str, seed: int, cap: float, out: Path) -> Dict[str, Any]:
+    spec = TASKS[task]
+    gamma = zclaw_config(task)["learner"]["gamma"]
+    curve, failed = sb3_curve(spec["env"], spec["metric"], seed, cap, gamma, out / f"sb3-{task}-s{seed}.log")
+    points = [(t, v) for t, _, v in curve]
     final = next((v for _, v in reversed(points) if v is not None), None)
-    return {"time": first_crossing(points, spec["threshold"]), "final": final, "error": p.returncode != 0}
+    return {"time": first_crossing(points, spec["threshold"]), "final": final, "error": failed}
 
 
 # -- Sample Factory APPO (Reacher) ------------------------------------------------------------------

@@ -173,7 +173,8 @@ SCHEMA: Dict[str, Dict[str, Key]] = {
                             min=1),
     },
     "learner": {
-        "batch_segments": Key(4, "segments per batch request", min=1),
+        "batch_segments": Key(4, "segments per batch request (the broker serves at most 64 per request)",
+                              min=1, max=64),
         "prefetch": Key(2, "batch requests kept in flight, so the next batch arrives while "
                         "one trains (1: none)",
                         min=1, max=16),

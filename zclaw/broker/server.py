@@ -70,9 +70,12 @@ MAX_WORKERS = 1024
 RATE_WINDOW_S = 10.0
 #: ``network.max_message_mb = 0`` (auto): the ingest cap is at least this (hellos, requests, status) ...
 AUTO_MIN_BYTES = 1 << 20
-#: ... and this many times the largest legal segment of worker.envs x worker.segment_length once the
-#: env spec is known (room for a worker whose config differs a little; see docs/operations.md)
+#: ... and this many times the largest legal segment of worker.segment_length steps x AUTO_MIN_ENVS envs
+#: (or worker.envs, if larger) once the env spec is known: workers of a fleet step different numbers of
+#: envs (a GPU box thousands, a CPU box 16), and a worker must not lose its data because its env count
+#: differs from the broker's config (see docs/operations.md)
 AUTO_HEADROOM = 2
+AUTO_MIN_ENVS = 4096
 #: a handler that raised is logged (with its traceback) at most once per this many seconds
 ERROR_LOG_S = 10.0
 #: "worker joined" lines per ERROR_LOG_S (identities come off the wire: a flood of new ones is counted)
@@ -81,7 +84,8 @@ JOIN_LOGS_PER_INTERVAL = 10
 
 def auto_cap_bytes(spec: EnvSpec, envs: int, segment_length: int) -> int:
     """The broker's ingest cap for ``network.max_message_mb = 0``: see :data:`AUTO_HEADROOM`."""
-    return max(AUTO_MIN_BYTES, AUTO_HEADROOM * max_segment_bytes(spec, int(segment_length), int(envs)))
+    envs = max(int(envs), AUTO_MIN_ENVS)
+    return max(AUTO_MIN_BYTES, AUTO_HEADROOM * max_segment_bytes(spec, int(segment_length), envs))
 
 
 class LoopClock:
