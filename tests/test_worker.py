@@ -20,7 +20,7 @@ from zclaw import config
 from zclaw.envs import make_env
 from zclaw.policy.networks import OptionPolicy
 from zclaw.policy.weights import policy_config, weights_message
-from zclaw.wire import bind, make, make_socket, parse, segment_dims
+from zclaw.wire import WireError, bind, make, make_socket, parse, segment_dims
 from zclaw.wire.messages import EnvSpec
 
 ENV = "gym:Reacher-v5"
@@ -377,3 +377,23 @@ def test_a_blown_up_env_ends_as_a_truncation_and_no_bad_value_is_sent(
         assert (finals[(t, 0)] == 3.0).all()
     cause = "reward_out_of_range" if what == "reward" else "obs_out_of_range"
     assert guard.counts()[cause] == 1 and guard.counts()["cut_short"] == N - 2
+
+
+def test_a_segment_that_ends_more_episodes_than_the_wire_carries_reports_the_newest(spec: EnvSpec) -> None:
+    """A worker of thousands of envs can end more episodes in one segment than a segment header may carry
+    (MAX_EPISODES; the broker drops more as oversize_field): the newest are sent, the rest counted, and the
+    segment still passes the broker's header bounds."""
+    from zclaw.wire.limits import MAX_EPISODES
+    from zclaw.wire.messages import Segment
+    from zclaw.worker.worker import SegmentBuffer
+
+    buf = SegmentBuffer(2, N, spec)
+    buf.episodes = [{"return": float(i), "length": 10} for i in range(MAX_EPISODES + 40)]
+    arrays, episodes = buf.take()
+    assert len(episodes) == MAX_EPISODES and episodes[-1]["return"] == MAX_EPISODES + 39.0
+    assert buf.episodes_unreported == 40 and buf.episodes == []
+    seg = Segment("w0-host-1", 0, spec.hash, arrays, episodes)
+    assert len(parse(seg.frames(), ("segment",))["episodes"]) == MAX_EPISODES  # within every header bound
+    too_many = Segment("w0-host-1", 1, spec.hash, arrays, episodes + episodes[:1])
+    with pytest.raises(WireError, match="episodes"):  # what the broker would have dropped
+        parse(too_many.frames(), ("segment",))

@@ -39,6 +39,7 @@ from ..envs import make_env
 from ..policy.networks import OptionPolicy
 from ..policy.weights import load_weights, model_from_weights
 from ..wire import DropCounter, LazyPirate, Message, Segment, WireError, make, make_socket, parse, tcp
+from ..wire.limits import MAX_EPISODES
 from ..wire.messages import EnvSpec
 from ..config import ConfigError
 from ..security import Security
@@ -117,6 +118,8 @@ class SegmentBuffer:
         #: device backends whose obs after a time-out is the final one: finals come from obs[t + 1]
         self.final_from_next = False
         self.episodes: List[Dict[str, Any]] = []
+        #: episodes that ended but were left out of a segment's stats (more than MAX_EPISODES in one)
+        self.episodes_unreported = 0
 
     def record_finals(self, t: int, final_obs: Any, obs: torch.Tensor) -> None:
         """Keep step ``t``'s final observations in whichever form the backend gave them (see StepResult)."""
@@ -165,6 +168,12 @@ class SegmentBuffer:
             out["final_obs"] = np.zeros((0,) + self.spec.obs_shape, np.float32)
             out["final_at"] = np.zeros((0, 2), np.int32)
         episodes = self.episodes
+        if len(episodes) > MAX_EPISODES:
+            # the wire carries at most MAX_EPISODES episode stats per segment (the broker drops more as
+            # oversize_field): a worker of thousands of envs ends more than that in one segment, so it
+            # reports the newest ones (return statistics are means of recent episodes) and counts the rest
+            self.episodes_unreported += len(episodes) - MAX_EPISODES
+            episodes = episodes[-MAX_EPISODES:]
         self.finals = []
         self.final_from_next = False
         self.episodes = []
@@ -610,6 +619,7 @@ class Worker:
             episodes=self.episodes_done,
             return_mean_100=round(float(np.mean(rets)), 3) if rets else None,
             out_of_range=self.guard.counts(),
+            episodes_unreported=self.buf.episodes_unreported,
             **self.sender.counters(),
         )
 
