@@ -155,7 +155,7 @@ def test_blown_up_observations_are_dropped_as_out_of_range_and_counted_per_worke
     assert report["workers"]["w1-blownup"]["out_of_range"] == 3 and report["out_of_range"] == 3
     assert report["workers"]["w0-good"]["out_of_range"] == 0
     ok = seg_arrays(rng)
-    ok["obs"] = ok["obs"] * 0 + 9.9e5  # large but inside broker.max_abs_obs = 1e6: kept
+    ok["obs"] = ok["obs"] * 0 + 9.9e5  # large but inside worker.max_abs_obs = 1e6: kept
     bad.segment(ok)
     broker.wait_for(lambda r: r["inserted_segments"] >= 1, "a large but legal segment")
     check_healthy(broker)

@@ -263,3 +263,29 @@ def test_checkpoint_refuses_another_spec_or_architecture_and_keeps_three(tmp_pat
     (tmp_path / "broken.pt").write_bytes(b"not a checkpoint")
     with pytest.raises(ckpt.CheckpointError, match="cannot be read"):
         ckpt.load(tmp_path / "broken.pt")
+
+
+def test_a_blown_up_observation_does_not_poison_the_normaliser() -> None:
+    """A segment whose observations are finite but 1e30 (a simulator that blew up) that reaches the
+    learner anyway leaves the statistics as the rest of the batch sets them."""
+    torch.manual_seed(0)
+    spec = spec_of(3, 1)
+    rng = np.random.default_rng(0)
+    a = empty_batch(spec, B=2, T=8, N=4)
+    a["obs"][:] = rng.normal(size=a["obs"].shape)
+    clean = {k: v.copy() for k, v in a.items()}
+    a["obs"][1, 3, 2] = 1e30
+    poisoned, reference = (Trainer(make_model(spec, hidden=[8]), learner_cfg(), "cpu", obs_max_abs=1e6)
+                           for _ in range(2))
+    poisoned.prepare(batch_message(spec, a), 0)
+    keep = np.ones((2, 8, 4), bool)
+    keep[1, 3, 2] = False
+    reference.model.obs_norm.update(torch.as_tensor(clean["obs"][:, :8][keep]))
+    assert poisoned.norm_left_out == 1
+    for name in ("mean", "var"):
+        got = getattr(poisoned.model.obs_norm, name)
+        assert torch.isfinite(got).all()
+        torch.testing.assert_close(got, getattr(reference.model.obs_norm, name))
+    # what the network is fed stays clipped, the blown-up row included
+    x = poisoned.model.obs_norm(torch.as_tensor(a["obs"][1, 3]))
+    assert float(x.abs().max()) <= 10.0

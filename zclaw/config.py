@@ -123,10 +123,13 @@ SCHEMA: Dict[str, Dict[str, Key]] = {
                              "CPU core, at most envs)",
                              min=0),
         "max_abs_obs": Key(1e6, "an episode whose observation has an element beyond +-this (or not finite) "
-                           "is ended as a truncation and counted (a simulator that blew up); MuJoCo "
-                           "velocities reach hundreds, so 1e6 leaves real tasks alone", min=1),
+                           "is ended as a truncation and counted (a simulator that blew up); the broker "
+                           "drops a segment beyond it (out_of_range: a worker may be old or foreign) and "
+                           "the learner's normaliser leaves such rows out. MuJoCo velocities reach "
+                           "hundreds, so 1e6 leaves real tasks alone", min=1),
         "max_abs_reward": Key(1e6, "an episode whose reward is beyond +-this (or not finite) is ended as a "
-                              "truncation and counted; task rewards are O(1)-O(1e3) per step", min=1),
+                              "truncation and counted; the broker drops a segment beyond it (out_of_range); "
+                              "task rewards are O(1)-O(1e3) per step", min=1),
     },
     "broker": {
         "capacity": Key(64, "segments the store holds (preallocated ring)", min=1),
@@ -157,11 +160,6 @@ SCHEMA: Dict[str, Dict[str, Key]] = {
                              "child (copy-on-write)", choices=("thread", "fork")),
         "option_balanced": Key(False, "queue/uniform modes: draw segments with weight sum_o n_o(seg) / "
                                "n_o(store), so segments rich in rarely used options are sampled more"),
-        "max_abs_obs": Key(1e6, "drop a segment (cause out_of_range, counted per worker) with an observation "
-                           "element beyond +-this: a simulator that blew up; real MuJoCo/Isaac observations "
-                           "stay under ~1e4 (0: off)", min=0),
-        "max_abs_reward": Key(1e6, "drop a segment (cause out_of_range) with a reward beyond +-this; task "
-                              "rewards are O(1)-O(1e3) per step (0: off)", min=0),
         "request_rate": Key(5000.0, "requests per second each client may make of the broker's serve socket "
                             "on average (token bucket; beyond it the answer is retry); a learner asks "
                             "<= ~100/s", min=0.1),

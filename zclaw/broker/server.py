@@ -144,7 +144,7 @@ class WorkerInfo:
         self.version: Optional[int] = None
         self.version_t = now  # when ``version`` last changed: how long the worker has acted on those weights
         self.rate = RateMeter(now=now)
-        #: segments of this worker dropped for values beyond broker.max_abs_obs / max_abs_reward
+        #: segments of this worker dropped for values beyond worker.max_abs_obs / max_abs_reward
         self.out_of_range = 0
 
     def report(self, now: float) -> Dict[str, Any]:
@@ -281,8 +281,9 @@ class Broker:
             beta=b["priority_beta"],
             seed=self.cfg["run"]["seed"],
             option_balanced=bool(b.get("option_balanced", False)),
-            max_abs_obs=float(b["max_abs_obs"]),
-            max_abs_reward=float(b["max_abs_reward"]),
+            # the bounds workers end episodes at, checked again: a worker may be old or foreign
+            max_abs_obs=float(self.cfg["worker"]["max_abs_obs"]),
+            max_abs_reward=float(self.cfg["worker"]["max_abs_reward"]),
         )
         self.spec = spec
         if self.auto_cap:

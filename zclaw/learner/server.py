@@ -330,8 +330,9 @@ class Learner:
             ckpt.check_compatible(state, spec.to_dict(), pcfg)
         self.spec = spec
         self.model = OptionPolicy(pcfg)
+        # the normaliser leaves out rows beyond the bound workers and the broker enforce (the last line)
         self.trainer = Trainer(self.model, self.lcfg, device, action_low=spec.action_low,
-                               action_high=spec.action_high)
+                               action_high=spec.action_high, obs_max_abs=self.cfg["worker"]["max_abs_obs"])
         if state is None:
             self.version = 0
         else:
