@@ -29,6 +29,11 @@ CASES = {
     # zclaw only (SB3 and Sample Factory are not in the test install): one short run and its table row
     "learning": (["--tasks", "reacher", "--variants", "k1", "--seeds", "1", "--cap", "10"],
                  r"\| reacher \| return >= -5\.0 \| zclaw K=1 \| "),
+    # a live Reacher run and three cheap attacks of 2 s windows (no joins): the per-attack lines
+    "hostile": (["--window", "2", "--attacks", "parts,blowup,oversize", "--big-mb", "8", "--joins", "0"],
+                rf"attack oversize: ingest during/base ({FLOAT}|n/a) after/base ({FLOAT}|n/a), updates "
+                rf"during/base ({FLOAT}|n/a) after/base ({FLOAT}|n/a), counted \S+=[0-9]+.*, internal=0, "
+                r"rss_max broker [0-9]+ learner [0-9]+ MiB"),
 }
 
 

@@ -38,15 +38,16 @@ import signal
 import socket
 import threading
 import time
-from collections import Counter, OrderedDict, deque
+from collections import Counter, OrderedDict
 from pathlib import Path
-from typing import Any, Deque, Dict, List, Optional, Sequence, Tuple
+from typing import Any, Dict, List, Optional, Sequence, Tuple
 
 import zmq
 
 from ..stopping import install_stop_signals
 
 from .. import __version__
+from ..telemetry import EpisodeWindow, RateMeter
 from ..tokens import TokenBucket
 from ..wire.limits import MAX_BATCH_SEGMENTS, MAX_REPORT_WORKERS
 from ..wire.messages import EnvSpec, make, max_segment_bytes, parse
@@ -66,8 +67,6 @@ INGEST_BURST = 64
 SOCKET_CAP_SLACK = 64 << 10
 #: distinct worker identities tracked (identities come off the wire: bound the table)
 MAX_WORKERS = 1024
-#: window of the recent rates in the report
-RATE_WINDOW_S = 10.0
 #: ``network.max_message_mb = 0`` (auto): the ingest cap is at least this (hellos, requests, status) ...
 AUTO_MIN_BYTES = 1 << 20
 #: ... and this many times the largest legal segment of worker.segment_length steps x AUTO_MIN_ENVS envs
@@ -103,33 +102,6 @@ class LoopClock:
     def report(self, now: float) -> Dict[str, Any]:
         return {"last_s_ago": None if self.last is None else round(now - self.last, 3),
                 "handled": self.handled}
-
-
-class RateMeter:
-    """Events per second over the last ``window_s`` seconds (or since start, if younger)."""
-
-    def __init__(self, window_s: float = RATE_WINDOW_S, now: Optional[float] = None) -> None:
-        self.window_s = window_s
-        self.t0 = time.monotonic() if now is None else now
-        self._events: Deque[Tuple[float, float]] = deque()
-        self._sum = 0.0
-
-    def add(self, n: float, now: Optional[float] = None) -> None:
-        now = time.monotonic() if now is None else now
-        self._events.append((now, float(n)))
-        self._sum += n
-        self._trim(now)
-
-    def _trim(self, now: float) -> None:
-        limit = now - self.window_s
-        while self._events and self._events[0][0] < limit:
-            self._sum -= self._events.popleft()[1]
-
-    def rate(self, now: Optional[float] = None) -> float:
-        now = time.monotonic() if now is None else now
-        self._trim(now)
-        span = min(self.window_s, now - self.t0)
-        return self._sum / span if span > 1e-3 else 0.0
 
 
 class WorkerInfo:
@@ -193,9 +165,7 @@ class Broker:
         self.t0 = time.monotonic()
         self.insert_meter = RateMeter(now=self.t0)
         self.sample_meter = RateMeter(now=self.t0)
-        self.episodes_total = 0
-        self.returns: Deque[float] = deque(maxlen=100)
-        self.successes: Deque[Optional[bool]] = deque(maxlen=100)
+        self.episodes = EpisodeWindow()  # the episodes the segments reported
         self.snapshots: Optional[snapshot.Snapshotter] = None
         self.identity = f"broker-{socket.gethostname()}-{os.getpid()}"
         self.refused: Counter = Counter()
@@ -314,10 +284,7 @@ class Broker:
         v = int(msg.arrays["policy_version"].max())
         if info.version is None or v > info.version:
             info.version, info.version_t = v, now
-        for ep in msg["episodes"]:
-            self.episodes_total += 1
-            self.returns.append(float(ep["return"]))
-            self.successes.append(ep.get("success"))
+        self.episodes.add(msg["episodes"])
 
     def accepting(self) -> bool:
         """Whether the loop should read the ingest socket now (``broker.when_full``).
@@ -470,7 +437,6 @@ class Broker:
         drops = Counter(self.drops.as_dict())
         if st is not None:
             drops.update(st.drops)
-        known = [s for s in self.successes if s is not None]
         return {
             "role": "broker",
             "uptime_s": round(now - self.t0, 3),
@@ -492,9 +458,9 @@ class Broker:
             "out_of_range": sum(w.out_of_range for w in self.workers.values()),
             "loops": {name: clock.report(now) for name, clock in self.loops.items()},
             "max_message_bytes": self.max_bytes,
-            "episodes": self.episodes_total,
-            "return_mean_100": (sum(self.returns) / len(self.returns)) if self.returns else None,
-            "success_rate_100": (sum(1 for s in known if s) / len(known)) if known else None,
+            "episodes": self.episodes.total,
+            "return_mean_100": self.episodes.return_mean(),
+            "success_rate_100": self.episodes.success_rate(),
             "retries": dict(self.retries),
             "snapshot": self.snapshots.report() if self.snapshots is not None else None,
             "refused": dict(self.refused),
@@ -534,9 +500,8 @@ class Broker:
         arrays, store_meta = self.store.state()
         meta = {
             "store": store_meta, "zclaw": __version__, "written_at": time.time(),
-            "broker": {"episodes_total": self.episodes_total, "returns": list(self.returns),
-                       "successes": list(self.successes), "limiter_inserts": self.limiter.inserts,
-                       "limiter_samples": self.limiter.samples},
+            "broker": dict(self.episodes.state(), limiter_inserts=self.limiter.inserts,
+                           limiter_samples=self.limiter.samples),
         }
         return arrays, meta
 
@@ -559,13 +524,11 @@ class Broker:
             self.store, self.spec = None, None
             raise ValueError(str(exc)) from None
         b = meta.get("broker") or {}
-        self.episodes_total = int(b.get("episodes_total", 0))
-        self.returns.extend(float(r) for r in b.get("returns", []))
-        self.successes.extend(b.get("successes", []))
+        self.episodes.restore(b)
         self.limiter.inserts = int(b.get("limiter_inserts", self.store.inserted))
         self.limiter.samples = int(b.get("limiter_samples", self.store.sampled))
         self.restored = {"segments": n, "inserted_segments": self.store.inserted,
-                         "inserted_steps": self.store.inserted_steps, "episodes": self.episodes_total}
+                         "inserted_steps": self.store.inserted_steps, "episodes": self.episodes.total}
         return n
 
 

@@ -33,9 +33,9 @@ import signal
 import socket
 import threading
 import time
-from collections import Counter, deque
+from collections import Counter
 from pathlib import Path
-from typing import Any, Deque, Dict, List, Optional, Tuple
+from typing import Any, Dict, List, Optional
 
 import numpy as np
 import torch
@@ -52,6 +52,7 @@ from ..wire import (
 )
 from ..wire.messages import batch_dims
 from ..wire.sockets import CurveServer, term_context
+from ..telemetry import EpisodeWindow, RateMeter
 from ..tokens import TokenBucket
 from ..config import ConfigError
 from ..security import Security
@@ -59,7 +60,6 @@ from . import checkpoint as ckpt
 from .trainer import Trainer
 
 PUB_HWM = 4  # weights messages are large and only the newest matters: never queue many
-RATE_WINDOW_S = 30.0
 #: how long the metrics line waits for the broker's status (one try; the last report is kept otherwise)
 STATUS_TIMEOUT_MS = 500
 #: the service thread logs a request that raised at most once per this many seconds (all are counted)
@@ -246,13 +246,11 @@ class Learner:
         self.lag_sum = 0.0
         self.lag_n = 0
         self.lag_max_all = 0.0
-        self.returns: Deque[float] = deque(maxlen=100)
-        self.successes: Deque[bool] = deque(maxlen=100)
-        self.episodes = 0
+        self.episodes = EpisodeWindow()  # the episodes the batches reported
         self.retries: Counter = Counter()
         self.drops = DropCounter(log, "batches")
         self.last_checkpoint: Optional[str] = None
-        self.rates: Deque[Tuple[float, int, int]] = deque()
+        self.step_meter, self.update_meter = RateMeter(), RateMeter()  # env steps and updates trained
         self.prio_keys: List[Any] = []
         self.prios: List[float] = []
         self.last_metrics: Dict[str, Any] = {}
@@ -342,7 +340,7 @@ class Learner:
             self.updates = int(state["updates"])
             self.steps_consumed = int(state["steps_consumed"])
             extra = state.get("extra") or {}
-            self.returns.extend(float(r) for r in extra.get("returns_100", []))
+            self.episodes.restore({"returns": extra.get("returns_100", [])})
             self.last_checkpoint = state.get("path")
         if self.service is not None:
             self.service.spec_hash = spec.hash
@@ -367,36 +365,24 @@ class Learner:
         logs.set_version(self.version)
         self._report()
 
-    def _rates(self) -> Tuple[float, float]:
-        now = time.monotonic()
-        self.rates.append((now, self.steps_consumed, self.updates))
-        while len(self.rates) > 2 and now - self.rates[0][0] > RATE_WINDOW_S:
-            self.rates.popleft()
-        t0, s0, u0 = self.rates[0]
-        dt = now - t0
-        if dt <= 0:
-            return 0.0, 0.0
-        return (self.steps_consumed - s0) / dt, (self.updates - u0) / dt
-
     def report(self) -> Dict[str, Any]:
-        steps_s, updates_s = self._rates() if self.rates else (0.0, 0.0)
-        succ = list(self.successes)
+        now = time.monotonic()
         return finite_json({
             "role": "learner",
             "uptime_s": round(time.monotonic() - self.started, 3),
             "version": self.version,
             "updates": self.updates,
             "steps_consumed": self.steps_consumed,
-            "updates_per_s": updates_s,
-            "steps_per_s": steps_s,
+            "updates_per_s": self.update_meter.rate(now),
+            "steps_per_s": self.step_meter.rate(now),
             "losses": dict(self.losses),
             "lag_mean": self.last_metrics.get("lag_mean"),
             "lag_max": self.last_metrics.get("lag_max"),
             "lag_mean_all": self.lag_sum / self.lag_n if self.lag_n else None,
             "lag_max_all": self.lag_max_all if self.lag_n else None,
-            "episodes": self.episodes,
-            "return_mean_100": float(np.mean(self.returns)) if self.returns else None,
-            "success_rate_100": float(np.mean(succ)) if succ else None,
+            "episodes": self.episodes.total,
+            "return_mean_100": self.episodes.return_mean(),
+            "success_rate_100": self.episodes.success_rate(),
             "last_checkpoint": self.last_checkpoint,
             "spec": self.spec.to_dict() if self.spec is not None else None,
             "retries": dict(self.retries),
@@ -420,6 +406,8 @@ class Learner:
         steps = int(B * T * N)
         self.steps_consumed += steps
         self.updates += 1
+        self.step_meter.add(steps)
+        self.update_meter.add(1)
         self.last_metrics = metrics
         if self.trainer is not None:  # option health (usage, duration, ...): report, status line, TB
             self.options = self.trainer.health_summary()
@@ -427,27 +415,15 @@ class Learner:
         self.lag_sum += metrics["lag_mean"] * steps
         self.lag_n += steps
         self.lag_max_all = max(self.lag_max_all, metrics["lag_max"])
-        batch_returns, batch_success, batch_lengths = [], [], []
-        for ep in msg["episodes"]:
-            if not isinstance(ep, dict) or not isinstance(ep.get("return"), (int, float)):
-                continue
-            batch_returns.append(float(ep["return"]))
-            if isinstance(ep.get("length"), int):
-                batch_lengths.append(ep["length"])
-            if isinstance(ep.get("success"), bool):
-                batch_success.append(ep["success"])
-        self.episodes += len(batch_returns)
-        self.returns.extend(batch_returns)
-        self.successes.extend(batch_success)
+        batch = self.episodes.add(msg["episodes"])
         if self.writer is not None:
             g = self.steps_consumed
             w = self.writer
             for k, v in self.losses.items():
                 if math.isfinite(v):
                     w.add_scalar(f"learner/{k}", v, g)
-            steps_s, updates_s = self._rates()
-            w.add_scalar("throughput/env_steps_per_s", steps_s, g)
-            w.add_scalar("throughput/updates_per_s", updates_s, g)
+            w.add_scalar("throughput/env_steps_per_s", self.step_meter.rate(), g)
+            w.add_scalar("throughput/updates_per_s", self.update_meter.rate(), g)
             w.add_scalar("throughput/update_seconds", seconds, g)
             w.add_scalar("lag/mean", metrics["lag_mean"], g)
             w.add_scalar("lag/max", metrics["lag_max"], g)
@@ -455,14 +431,12 @@ class Learner:
             if self.trainer is not None and self.options is not None:
                 for k, v in self.trainer.health.scalars(self.options).items():
                     w.add_scalar(k, v, g)
-            if batch_returns:
-                w.add_scalar("episode/return", float(np.mean(batch_returns)), g)
-            if self.returns:
-                w.add_scalar("episode/return_mean_100", float(np.mean(self.returns)), g)
-            if batch_lengths:
-                w.add_scalar("episode/length", float(np.mean(batch_lengths)), g)
-            if batch_success:
-                w.add_scalar("episode/success", float(np.mean(batch_success)), g)
+            for name, values in (("return", batch["returns"]), ("length", batch["lengths"]),
+                                 ("success", batch["successes"])):
+                if values:
+                    w.add_scalar(f"episode/{name}", float(np.mean(values)), g)
+            if self.episodes.returns:
+                w.add_scalar("episode/return_mean_100", self.episodes.return_mean(), g)
 
     def train_loop(self) -> None:
         assert self.batches is not None and self.trainer is not None and self.spec is not None
@@ -472,7 +446,7 @@ class Learner:
         last_metrics_line = 0.0
         ckpt_s = float(self.lcfg["checkpoint_s"])
         last_status = last_ckpt = time.monotonic()
-        self._rates()
+        self.step_meter, self.update_meter = RateMeter(), RateMeter()  # rates of training, not of waiting
         while not self.stop.is_set():
             now = time.monotonic()
             if now - last_ckpt >= ckpt_s:
@@ -592,7 +566,7 @@ class Learner:
                 self.ckpt_dir, self.model, self.trainer.optimizer, version=int(self.version),
                 updates=self.updates,
                 steps_consumed=self.steps_consumed, config=self.cfg, spec=self.spec.to_dict(),
-                extra={"returns_100": list(self.returns)}, trainer=self.trainer.state_dict(),
+                extra={"returns_100": list(self.episodes.returns)}, trainer=self.trainer.state_dict(),
             )
         except OSError as exc:  # a full disk must not kill training; say so loudly
             self.log.error("checkpoint failed", error=str(exc), dir=str(self.ckpt_dir))
@@ -610,7 +584,7 @@ class Learner:
         rep = self.report()
         if float(self.cfg["log"].get("metrics_s", 0.0)) > 0:
             self.write_metrics(ask_broker=False)
-        rep["returns_100"] = list(self.returns)
+        rep["returns_100"] = list(self.episodes.returns)
         rep = finite_json(rep)
         try:
             text = json.dumps(rep, indent=2, sort_keys=True).encode()

@@ -25,8 +25,7 @@ import signal
 import socket
 import threading
 import time
-from collections import deque
-from typing import Any, Callable, Deque, Dict, List, Optional, Tuple
+from typing import Any, Callable, Dict, List, Optional, Tuple
 
 import numpy as np
 import torch
@@ -38,6 +37,7 @@ from ..core import BatchedEnv
 from ..envs import make_env
 from ..policy.networks import OptionPolicy
 from ..policy.weights import load_weights, model_from_weights
+from ..telemetry import EpisodeWindow
 from ..wire import DropCounter, LazyPirate, Message, Segment, WireError, make, make_socket, parse, tcp
 from ..wire.limits import MAX_EPISODES
 from ..wire.messages import EnvSpec
@@ -451,8 +451,7 @@ class Worker:
         self.seq = 0
         self._started = time.monotonic()  # reset when run() starts; join_s in the "acting" line
         self.steps = 0
-        self.episodes_done = 0
-        self.recent_returns: Deque[float] = deque(maxlen=100)
+        self.episodes = EpisodeWindow()  # the episodes this worker's envs ended (and sent)
         self.buf = SegmentBuffer(self.T, self.N, self.spec, getattr(env, "device", device))
         self.low = torch.tensor(self.spec.action_low, dtype=torch.float32, device=device).reshape(
             self.spec.action_shape
@@ -586,8 +585,7 @@ class Worker:
             if pop_episodes is not None:
                 buf.episodes.extend(pop_episodes())
             arrays, episodes = buf.take()
-            self.episodes_done += len(episodes)
-            self.recent_returns.extend(float(ep["return"]) for ep in episodes)
+            self.episodes.add(episodes)
             segment = Segment(self.identity, self.seq, self.spec.hash, arrays, episodes)
             self.seq += 1
             made += 1
@@ -609,15 +607,14 @@ class Worker:
             return
         steps = self.steps - self._steps_at_status
         self._last_status, self._steps_at_status = now, self.steps
-        rets = list(self.recent_returns)
         self.log.info(
             "status",
             steps_per_s=round(steps / dt, 1),
             steps=self.steps,
             segments=self.seq,
             version=self.version,
-            episodes=self.episodes_done,
-            return_mean_100=round(float(np.mean(rets)), 3) if rets else None,
+            episodes=self.episodes.total,
+            return_mean_100=self.episodes.return_mean(),
             out_of_range=self.guard.counts(),
             episodes_unreported=self.buf.episodes_unreported,
             **self.sender.counters(),
