@@ -237,7 +237,7 @@ class LiveRun:
         for role, pid in pids.items():
             self.seen_pids.setdefault(role, set()).add(pid)
         s.pids = pids
-        for role in ("broker", "learner"):
+        for role in ("broker", "learner", "worker0"):
             if role in pids:
                 s.rss[role], s.cpu[role] = rss_mib(pids[role]), cpu_s(pids[role])
         s.cpu["bench"] = cpu_s(os.getpid())
@@ -636,6 +636,7 @@ def measure(run: LiveRun, name: str, window: float, big_mb: int) -> Tuple[str, D
     detail = (f"    base {_f(rates['segments_base'])} segments/s {_f(rates['updates_base'])} updates/s; "
               f"cores during (base): broker {_f(cores(during, 'broker'))} ({_f(cores(base, 'broker'))}) "
               f"learner {_f(cores(during, 'learner'))} ({_f(cores(base, 'learner'))}) "
+              f"worker {_f(cores(during, 'worker0'))} ({_f(cores(base, 'worker0'))}) "
               f"attacker {_f(cores(during, 'bench'))}; status unanswered {unanswered} of "
               f"{len(during + after)}; attack {t2 - t1:.1f} s, sent {json.dumps(info, sort_keys=True)}")
     return line + "\n" + detail, {"rates": rates, "counted": counted, "internal": internal, "rss": rss}
