@@ -307,8 +307,8 @@ def test_worker_waits_then_backpressure_then_delivers_in_order(spec: EnvSpec) ->
 
 
 def _blown_up_step(spec: EnvSpec, form: str, bad_env: int, what: str) -> Any:
-    """A StepResult of N envs where env ``bad_env`` blew up (obs 1e30, reward 1e30 or NaN obs); ``form``
-    is how the backend hands out final observations (dict, dense, or the obs tensor itself)."""
+    """A StepResult of N envs where env ``bad_env`` blew up (obs 1e30, reward 1e30, NaN obs, or none);
+    ``form`` is how the backend hands out final observations (dict, dense, or the obs tensor itself)."""
     from zclaw.core import StepResult
 
     obs = torch.ones((N,) + spec.obs_shape)
@@ -317,7 +317,7 @@ def _blown_up_step(spec: EnvSpec, form: str, bad_env: int, what: str) -> Any:
         obs[bad_env, 0] = 1e30
     elif what == "nan":
         obs[bad_env, -1] = float("nan")
-    else:
+    elif what == "reward":
         reward[bad_env] = 1e30
     truncated = torch.zeros(N, dtype=torch.bool)
     truncated[0] = True  # env 0 ended by itself this step (a time limit), with a valid final obs
@@ -377,6 +377,53 @@ def test_a_blown_up_env_ends_as_a_truncation_and_no_bad_value_is_sent(
         assert (finals[(t, 0)] == 3.0).all()
     cause = "reward_out_of_range" if what == "reward" else "obs_out_of_range"
     assert guard.counts()[cause] == 1 and guard.counts()["cut_short"] == N - 2
+
+
+@pytest.mark.parametrize("form", ["dense", "next"])
+@pytest.mark.parametrize("what", ["obs", "reward", "nan"])
+def test_a_device_backend_masks_a_blown_up_env_on_the_device_and_ends_the_segment_with_a_reset(
+    spec: EnvSpec, form: str, what: str
+) -> None:
+    """Device backends (no host read per step): the blown-up env's step is truncated with its last
+    in-range observation as final one and as what the policy acts on next; take() ends every episode
+    and asks for a reset; nothing out of range is sent."""
+    from zclaw.worker.worker import SegmentBuffer, ValueGuard
+
+    class Log:
+        def __getattr__(self, name: str) -> Any:
+            return lambda *a, **k: None
+
+    guard = ValueGuard(1e6, 1e6, Log())
+    T, t, bad_env = 4, 1, 2
+    buf = SegmentBuffer(T, N, spec)
+    obs = torch.zeros((N,) + spec.obs_shape)
+    for step in range(T):
+        buf.obs[step] = obs
+        if step == t:
+            res = _blown_up_step(spec, form, bad_env, what)
+        else:  # a healthy step; the blown-up env stays blown up until a reset (no per-env reset)
+            res = _blown_up_step(spec, form, bad_env, what if step > t else "none")
+            res = res._replace(obs=res.obs + step, truncated=torch.zeros(N, dtype=torch.bool))
+            if form == "next":
+                res = res._replace(final_obs=res.obs)
+        buf.reward[step], buf.truncated[step] = res.reward, res.truncated
+        buf.terminated[step] = res.terminated
+        obs = guard.sanitize(buf, step, res)
+        if step == t:
+            assert torch.equal(obs[bad_env], buf.obs[t][bad_env]), "the policy acts on the last good obs"
+    buf.obs[T] = obs
+    arrays, _ = buf.take()
+    assert buf.reset_needed and int(buf.out_of_range) == 0
+    assert arrays["truncated"][t:, bad_env].all() and arrays["truncated"][-1].all()
+    assert not arrays["truncated"][:t, bad_env].any()
+    for name in ("obs", "final_obs", "reward"):
+        a = arrays[name]
+        assert np.isfinite(a).all() and (np.abs(a) <= 1e6).all(), (name, a)
+    finals = {(int(tt), int(n)): fo for (tt, n), fo in zip(arrays["final_at"], arrays["final_obs"])}
+    assert (finals[(t, bad_env)] == arrays["obs"][t, bad_env]).all(), "bootstrap from the last good obs"
+    buf.obs[:] = 0.0
+    buf.take()
+    assert not buf.reset_needed  # a clean segment after the reset asks for none
 
 
 def test_a_segment_that_ends_more_episodes_than_the_wire_carries_reports_the_newest(spec: EnvSpec) -> None:

@@ -120,6 +120,10 @@ class SegmentBuffer:
         self.episodes: List[Dict[str, Any]] = []
         #: episodes that ended but were left out of a segment's stats (more than MAX_EPISODES in one)
         self.episodes_unreported = 0
+        #: device backends: env-steps masked by ValueGuard.sanitize in this segment (read once, in take)
+        self.out_of_range = torch.zeros((), dtype=torch.int64, device=dev)
+        #: set by take(): the segment had blown-up envs, every episode was truncated at its end, reset them
+        self.reset_needed = False
 
     def record_finals(self, t: int, final_obs: Any, obs: torch.Tensor) -> None:
         """Keep step ``t``'s final observations in whichever form the backend gave them (see StepResult)."""
@@ -150,6 +154,15 @@ class SegmentBuffer:
 
         This is the one place segment data leaves the device.
         """
+        masked = int(self.out_of_range)  # the one host read of the value guard on a device backend
+        self.reset_needed = masked > 0
+        if masked:  # blown-up envs were masked until now: end every episode here, the worker resets them
+            self.out_of_range.zero_()
+            ended = self.terminated[-1] | self.truncated[-1]
+            if self.final_dense is not None:
+                rows = (~ended).reshape((-1,) + (1,) * len(self.spec.obs_shape))
+                self.final_dense[-1] = torch.where(rows, self.obs[-1], self.final_dense[-1])
+            self.truncated[-1] |= ~ended
         out: Dict[str, np.ndarray] = {k: v.to("cpu", copy=True).numpy() for k, v in self.arrays().items()}
         out["policy_version"] = self.policy_version.copy()
         finals = [(t, n, fo.to("cpu").numpy()) for t, n, fo in self.finals]
@@ -202,14 +215,45 @@ class ValueGuard:
     envs' episodes are truncated at the same step too, each with its own (valid) observation as final
     one, and the worker resets every env. Counted per cause in :attr:`drops`
     (``obs_out_of_range``, ``reward_out_of_range``: episodes that blew up) and :attr:`cut_short`
-    (healthy episodes ended with them). The check is one reduction per step; on a GPU backend its
-    ``any()`` is one small device-to-host read per step.
+    (healthy episodes ended with them). On a host (CPU) backend the check is one reduction per step.
+
+    A device backend (Isaac Gym, MuJoCo Warp: those with ``pop_episodes``, see :class:`zclaw.core.BatchedEnv`)
+    must never be read back to the host inside the step loop (each read stalls the simulator): there
+    :meth:`sanitize` does the same on the device, with no read at all.
+    Each step, an env whose values are out of range gets its step truncated, its reward clamped, the last
+    in-range observation as its final one, and that observation (not the blown-up one) is what the policy
+    acts on next; its simulator state cannot be reset alone, so it is masked the same way every step until
+    the segment ends. The segment's one host copy (:meth:`SegmentBuffer.take`) reads the device count; if
+    any env blew up, every episode is truncated at the segment's last step and the worker resets all envs.
     """
 
     def __init__(self, max_abs_obs: float, max_abs_reward: float, log: Any) -> None:
         self.max_obs, self.max_reward = float(max_abs_obs), float(max_abs_reward)
         self.drops = DropCounter(log, "episodes (values out of range: a simulator blew up)")
         self.cut_short = 0
+
+    def sanitize(self, buf: "SegmentBuffer", t: int, res: Any) -> torch.Tensor:
+        """Device backends: rewrite step ``t`` of ``buf`` for every env out of range, on the device and
+        without a host read; return the observation to act on next (see the class docstring)."""
+        bad = self._bad_obs(res.obs) | ~torch.isfinite(res.reward) | (res.reward.abs() > self.max_reward)
+        if not isinstance(res.final_obs, dict) and res.final_obs is not res.obs:
+            bad = bad | (self._bad_obs(res.final_obs) & res.truncated)
+        lim = self.max_reward
+        buf.reward[t] = torch.nan_to_num(buf.reward[t], nan=0.0, posinf=lim, neginf=-lim).clamp(-lim, lim)
+        buf.truncated[t] |= bad
+        buf.terminated[t] &= ~bad
+        if buf.final_dense is None:  # dense finals: what the backend ended keeps its own, bad envs get theirs
+            dense = torch.zeros((buf.T, buf.N) + buf.spec.obs_shape, dtype=torch.float32, device=buf.device)
+            if buf.final_from_next:
+                dense[:t] = buf.obs[1:t + 1]
+            buf.final_dense, buf.final_from_next = dense, False
+            if not isinstance(res.final_obs, dict):
+                dense[t] = res.final_obs
+        keep = buf.obs[t]  # what the envs acted on at t: in range (sanitized the step before)
+        rows = bad.reshape((-1,) + (1,) * len(buf.spec.obs_shape))
+        buf.final_dense[t] = torch.where(rows, keep, buf.final_dense[t])
+        buf.out_of_range += bad.sum()
+        return torch.where(rows, keep, res.obs)
 
     def _bad_obs(self, x: torch.Tensor) -> torch.Tensor:
         x = x.reshape(x.shape[0], -1)
@@ -573,11 +617,14 @@ class Worker:
                 episode_start = res.terminated | res.truncated
                 prev_option = out["option"]
                 obs = res.obs
-                found = self.guard.check(res)
-                if found is not None:  # a simulator blew up: end every episode here, send no bad value
-                    self.guard.truncate(buf, t, found, res)
-                    obs = env.reset()
-                    episode_start = torch.ones(N, dtype=torch.bool, device=self.device)
+                if pop_episodes is not None:  # a device backend (core.BatchedEnv): no host read per step
+                    obs = self.guard.sanitize(buf, t, res)
+                else:
+                    found = self.guard.check(res)
+                    if found is not None:  # a simulator blew up: end every episode here, send no bad value
+                        self.guard.truncate(buf, t, found, res)
+                        obs = env.reset()
+                        episode_start = torch.ones(N, dtype=torch.bool, device=self.device)
                 t += 1
             if t < T:  # stopped mid-segment: an incomplete segment is not a segment
                 break
@@ -585,6 +632,10 @@ class Worker:
             if pop_episodes is not None:
                 buf.episodes.extend(pop_episodes())
             arrays, episodes = buf.take()
+            if buf.reset_needed:  # device backend: envs blew up in this segment (ValueGuard.sanitize)
+                self.guard.drops.drop("obs_out_of_range", f"segment {self.seq}: envs masked and reset")
+                obs = env.reset()
+                episode_start = torch.ones(N, dtype=torch.bool, device=self.device)
             self.episodes.add(episodes)
             segment = Segment(self.identity, self.seq, self.spec.hash, arrays, episodes)
             self.seq += 1
