@@ -66,6 +66,15 @@ STATUS_TIMEOUT_MS = 500
 ERROR_LOG_S = 10.0
 #: client identities the ROUTER's token buckets track (least recently seen evicted beyond that)
 MAX_CLIENTS = 4096
+#: requests per second the ROUTER's service thread handles for all clients together (a burst of a tenth of a
+#: second's worth). Why: each request costs ~50 us of CPU even when answered ``retry``, so a client that
+#: pipelines requests as fast as it can (~10-20k/s) took 0.5-1 core and starved training and workers on a
+#: small host (bench/hostile.py). ZeroMQ's ROUTER fair-queues its peers, so when a flood fills the queue
+#: another client's request waits for at most one request per other busy peer: ~1 ms at this rate.
+#: Workers ask once on join and tools every 0.5-2 s; 2,000/s also serves 1,000 workers joining at once.
+MAX_ANSWERS_PER_S = 2000.0
+#: when that budget is spent the thread sleeps at least this long (one futex wait buys ~20 answers, not one)
+PACE_SLEEP_S = 0.01
 
 
 def loop_report(last_answer: Optional[float], answered: int, errors: int) -> Dict[str, Any]:
@@ -95,12 +104,16 @@ class _Service(threading.Thread):
     Fair service: before a request is even parsed, its client identity takes a token from a
     :class:`zclaw.tokens.TokenBucket` (``rate`` per second, ``burst``); without one the answer is a
     ``retry`` naming how long to wait, counted as ``rate_limited``. The snapshot answer is one cached
-    ``zmq.Frame`` per published version, so a snapshot costs the send and nothing else.
+    ``zmq.Frame`` per published version, so a snapshot costs the send and nothing else. The loop as a
+    whole handles at most ``answer_rate`` requests per second (:data:`MAX_ANSWERS_PER_S`): what a flood
+    costs the learner's CPU is bounded whatever the number of identities, and ROUTER's fair queueing keeps
+    other clients' requests from waiting behind it.
     """
 
     def __init__(
         self, ctx: zmq.Context, host: str, port: int, max_bytes: int, log: Any, stop: threading.Event,
         curve: Optional[CurveServer] = None, rate: float = 20.0, burst: float = 40.0,
+        answer_rate: float = MAX_ANSWERS_PER_S,
     ) -> None:
         super().__init__(name="learner-service", daemon=True)
         self.ctx, self.host, self.port, self.max_bytes = ctx, host, port, max_bytes
@@ -118,6 +131,9 @@ class _Service(threading.Thread):
         self.identity = f"learner-{socket.gethostname()}-{os.getpid()}-{int(time.time())}"
         self.served: Counter = Counter()  # requests answered, by kind (status, snapshot)
         self.bucket = TokenBucket(rate, burst, max_identities=MAX_CLIENTS)
+        #: the loop's own budget, all clients together (one identity)
+        self.pace = TokenBucket(answer_rate, max(1.0, answer_rate / 10), max_identities=1)
+        self.paced = 0  # times the loop slept because the budget was spent
         self.answered = 0
         self.errors = 0
         self.last_answer: Optional[float] = None  # wall time of the last answer sent
@@ -139,6 +155,11 @@ class _Service(threading.Thread):
             while not self.stop.is_set():
                 try:
                     if not sock.poll(100, zmq.POLLIN):
+                        continue
+                    wait = self.pace.take(b"", time.monotonic())
+                    if wait is not None:  # the loop's budget is spent: requests wait in ZeroMQ's queue
+                        self.paced += 1
+                        self.stop.wait(max(wait, PACE_SLEEP_S))
                         continue
                     self._serve_one(sock)
                 except zmq.ContextTerminated:
@@ -180,7 +201,8 @@ class _Service(threading.Thread):
 
     def loops(self) -> Dict[str, Any]:
         """This thread's entry for the status report's ``loops`` map."""
-        return {"learner-router": loop_report(self.last_answer, self.answered, self.errors)}
+        return {"learner-router": dict(loop_report(self.last_answer, self.answered, self.errors),
+                                       paced=self.paced)}
 
     def _answer(self, client: bytes, body: List[bytes]) -> List[Any]:
         wait = self.bucket.take(client, time.monotonic())
