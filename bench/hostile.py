@@ -9,6 +9,9 @@ ports itself). Then, one attack at a time, three windows of ``--window`` seconds
   stopped at the window's end) beside the run;
 - *after*: the run alone again, still paying for whatever the attack left behind.
 
+The first attack, ``none``, does nothing: its ratios are the noise floor of the others (a 2-core host's
+10 s windows differ by about +-10% with nothing happening).
+
 Real traffic is read from the roles' own ``status`` reports (the requests ``zclaw status`` makes, through
 :class:`zclaw.launch.StatusClient`), every ``--poll`` seconds in a monitor thread: the real worker's
 ``segments`` in the broker's ``workers`` table (its ingest: attackers send under other identities) and
@@ -29,7 +32,7 @@ Targets (issue 14): during / baseline >= 0.7 and after / baseline >= 0.9 for ing
 ``internal``, every role up. A missed ratio is printed, not an error: the exit status is non-zero only
 when the run itself failed (a role exited or was restarted, or the run never started training).
 
-    python bench/hostile.py [--window 10] [--attacks hellos,parts,...] [--big-mb 400] [--joins 3] [--list]
+    python bench/hostile.py [--window 10] [--attacks none,hellos,...] [--big-mb 400] [--joins 5] [--list]
 """
 from __future__ import annotations
 
@@ -295,7 +298,7 @@ class LiveRun:
     # ------------------------------------------------------------------------------------ segments
 
     def segment_frames(
-        self, worker: str, seq: int, rng: np.random.Generator, obs_fill: Optional[float] = None, **header: Any
+        self, ident: str, seq: int, rng: np.random.Generator, obs_fill: Optional[float] = None, **header: Any
     ) -> List[Any]:
         """A well-formed segment of the run's spec and shape (``worker.segment_length`` x ``worker.envs``),
         small in-range values (every observation ``obs_fill`` if given), the learner's current version;
@@ -325,7 +328,7 @@ class LiveRun:
         arrays["option_start"][0] = True
         if obs_fill is not None:
             arrays["obs"][:] = obs_fill
-        frames = Segment(worker, seq, spec.hash, arrays, []).frames()
+        frames = Segment(ident, seq, spec.hash, arrays, []).frames()
         if header:
             head = msgpack.unpackb(bytes(frames[0]), raw=False)
             head.update(header)
@@ -397,6 +400,12 @@ class Dealer:
         while self.in_flight and time.monotonic() < deadline:
             self.drain(50)
         self.sock.close(linger=0)
+
+
+def attack_none(run: LiveRun, ctx: zmq.Context, deadline: float) -> Dict[str, Any]:
+    """No attack: the control row (what the windows' ratios are when nothing happens; their noise)."""
+    time.sleep(max(0.0, deadline - time.monotonic()))
+    return {}
 
 
 def attack_hellos(run: LiveRun, ctx: zmq.Context, deadline: float) -> Dict[str, Any]:
@@ -549,6 +558,7 @@ def attack_flood(run: LiveRun, ctx: zmq.Context, deadline: float) -> Dict[str, A
 
 
 ATTACKS: Dict[str, Callable[..., Dict[str, Any]]] = {
+    "none": attack_none,
     "hellos": attack_hellos,
     "parts": attack_parts,
     "blowup": attack_blowup,
@@ -624,6 +634,8 @@ def measure(run: LiveRun, name: str, window: float, big_mb: int) -> Tuple[str, D
     internal = end.internal if end is not None else None
     rss = {r: max((s.rss.get(r) or 0.0 for s in during + after), default=0.0) for r in ("broker", "learner")}
     rss_base = {r: max((s.rss.get(r) or 0.0 for s in base), default=0.0) for r in ("broker", "learner")}
+    rss_end = {r: next((s.rss[r] for s in reversed(after) if s.rss.get(r)), 0.0)
+               for r in ("broker", "learner")}
     unanswered = sum(1 for s in during + after if s.internal is None)
     counted_text = " ".join(f"{k}={v}" for k, v in sorted(counted.items())) or "none=0"
     line = (f"attack {name}: ingest during/base {ratio(rates['segments_during'], rates['segments_base'])} "
@@ -632,12 +644,14 @@ def measure(run: LiveRun, name: str, window: float, big_mb: int) -> Tuple[str, D
             f"after/base {ratio(rates['updates_after'], rates['updates_base'])}, "
             f"counted {counted_text}, internal={'n/a' if internal is None else internal}, "
             f"rss_max broker {rss['broker']:.0f} learner {rss['learner']:.0f} MiB "
-            f"(baseline {rss_base['broker']:.0f} / {rss_base['learner']:.0f})")
+            f"(baseline {rss_base['broker']:.0f} / {rss_base['learner']:.0f}, "
+            f"end {rss_end['broker']:.0f} / {rss_end['learner']:.0f})")
+    core_text = ", ".join(
+        f"{label} " + "/".join(_f(cores(w, role)) for w in (base, during, after))
+        for label, role in (("broker", "broker"), ("learner", "learner"), ("worker", "worker0"),
+                            ("bench", "bench")))
     detail = (f"    base {_f(rates['segments_base'])} segments/s {_f(rates['updates_base'])} updates/s; "
-              f"cores during (base): broker {_f(cores(during, 'broker'))} ({_f(cores(base, 'broker'))}) "
-              f"learner {_f(cores(during, 'learner'))} ({_f(cores(base, 'learner'))}) "
-              f"worker {_f(cores(during, 'worker0'))} ({_f(cores(base, 'worker0'))}) "
-              f"attacker {_f(cores(during, 'bench'))}; status unanswered {unanswered} of "
+              f"cores base/during/after: {core_text}; status unanswered {unanswered} of "
               f"{len(during + after)}; attack {t2 - t1:.1f} s, sent {json.dumps(info, sort_keys=True)}")
     return line + "\n" + detail, {"rates": rates, "counted": counted, "internal": internal, "rss": rss}
 
@@ -709,7 +723,7 @@ def main() -> int:
     ap.add_argument("--window", type=float, default=10.0, help="seconds of baseline, attack and after each")
     ap.add_argument("--attacks", default=",".join(ATTACKS), help="comma-separated, from --list")
     ap.add_argument("--big-mb", type=int, default=400, help="MB of each of the six oversize messages")
-    ap.add_argument("--joins", type=int, default=3,
+    ap.add_argument("--joins", type=int, default=5,
                     help="joins timed idle and as many during a flood (with the flood attack; 0: none)")
     ap.add_argument("--poll", type=float, default=0.5, help="seconds between status looks")
     ap.add_argument("--start-timeout", type=float, default=300.0)
