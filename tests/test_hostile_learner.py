@@ -7,6 +7,7 @@ against live roles are in tests/test_faults.py.
 """
 from __future__ import annotations
 
+from contextlib import contextmanager
 import subprocess
 import threading
 import time
@@ -36,11 +37,12 @@ class _Log:
         return lambda event, **kw: self.lines.append((level, event, kw))
 
 
-@pytest.fixture
-def service() -> Iterator[server._Service]:
+@contextmanager
+def _running(**kw: Any) -> Iterator[server._Service]:
+    """The learner's ROUTER service thread on a free loopback port (per-client bucket 5/s, burst 10)."""
     ctx = zmq.Context()
     stop = threading.Event()
-    svc = server._Service(ctx, "127.0.0.1", 0, 64 << 20, _Log(), stop, rate=5.0, burst=10.0)
+    svc = server._Service(ctx, "127.0.0.1", 0, 64 << 20, _Log(), stop, rate=5.0, burst=10.0, **kw)
     svc.start()
     assert svc.ready.wait(10) and svc.error is None
     svc.weights, svc.spec_hash = WEIGHTS, "abc"
@@ -51,6 +53,21 @@ def service() -> Iterator[server._Service]:
         stop.set()
         svc.join(10)
         ctx.destroy(linger=0)
+
+
+@pytest.fixture
+def service() -> Iterator[server._Service]:
+    with _running() as svc:
+        yield svc
+
+
+PACE = 100.0  # answers per second of the paced service: small, so a few hundred requests take seconds
+
+
+@pytest.fixture
+def paced() -> Iterator[server._Service]:
+    with _running(answer_rate=PACE) as svc:
+        yield svc
 
 
 def _req(svc: server._Service, timeout_ms: int = 5000) -> LazyPirate:
@@ -360,3 +377,44 @@ def roles(tmp_path: Path) -> Iterator[Roles]:
     r = Roles(tmp_path)
     yield r
     r.close()
+
+
+# -- the loop's own pace: a flood costs a bounded share of a core, every request is still answered, and
+# another client is served through it (ROUTER fair-queues peers); what it buys is measured by bench/hostile.py
+
+
+def test_a_flood_is_answered_at_the_loops_pace_and_another_client_is_served_through_it(
+    paced: server._Service,
+) -> None:
+    ctx = paced.ctx_for_test  # type: ignore[attr-defined]
+    endpoint = tcp("127.0.0.1", paced.bound_port)
+    flood = ctx.socket(zmq.DEALER)
+    flood.setsockopt(zmq.LINGER, 0)
+    flood.connect(endpoint)
+    other = ctx.socket(zmq.REQ)
+    other.setsockopt(zmq.LINGER, 0)
+    other.connect(endpoint)
+    try:
+        n = 300  # three seconds' worth at PACE, all pipelined at once
+        t0 = time.monotonic()
+        for _ in range(n):
+            flood.send_multipart([b""] + make("snapshot", spec_hash="abc"))
+        other.send_multipart(make("snapshot", spec_hash="abc"))
+        assert other.poll(30_000), "the other client got no answer during the flood"
+        assert other.recv_multipart() == [WEIGHTS]
+        kinds = []
+        deadline = time.monotonic() + 60
+        while len(kinds) < n and time.monotonic() < deadline:
+            if flood.poll(1000):
+                frames = flood.recv_multipart()
+                kinds.append("weights" if frames[1:] == [WEIGHTS] else parse(frames[1:]).kind)
+        elapsed = time.monotonic() - t0
+        assert len(kinds) == n, f"{len(kinds)} of {n} flood requests answered"
+        assert set(kinds) <= {"weights", "retry"} and kinds.count("retry") >= n - 10 - 5 * elapsed - 1
+        # the pace: no more than the burst (PACE / 10) plus PACE per second, for all clients together
+        assert paced.answered <= PACE / 10 + PACE * elapsed + 1, (paced.answered, elapsed)
+        assert paced.paced > 0
+        assert paced.loops()["learner-router"]["paced"] == paced.paced
+    finally:
+        flood.close(linger=0)
+        other.close(linger=0)
