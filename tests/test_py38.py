@@ -19,7 +19,8 @@ ROOT = Path(__file__).resolve().parents[1]
 VERMIN = [sys.executable, "-c", "import sys, vermin; sys.exit(vermin.main())"]  # vermin has no __main__
 ENTRY = ("zclaw.cli", "zclaw.worker.worker", "zclaw.envs.registry", "zclaw.envs.isaacgym_backend")
 WORKER_SIDE = ("zclaw/wire", "zclaw/worker", "zclaw/envs", "zclaw/policy", "zclaw/config.py", "zclaw/logs.py",
-               "zclaw/core.py", "zclaw/stopping.py", "zclaw/__init__.py")
+               "zclaw/core.py", "zclaw/stopping.py", "zclaw/startup.py", "zclaw/security.py",
+               "zclaw/__init__.py")
 
 
 def worker_import_closure() -> Set[Path]:

@@ -9,6 +9,7 @@ import click
 
 from . import __version__
 from . import config as config_mod
+from .stopping import EXIT_CANNOT_START
 
 _CONFIG_HELP = "TOML config file (defaults: configs/default.toml values built into zclaw)."
 _SET_HELP = "Override one key, e.g. --set learner.lr=1e-3 (repeatable)."
@@ -23,17 +24,6 @@ def _load(
         return config_mod.load(config, overrides, {k: v for k, v in (values or {}).items() if v is not None})
     except config_mod.ConfigError as exc:
         raise click.UsageError(str(exc)) from None
-
-
-def _start_role(role: str, cfg: Dict[str, Dict[str, Any]]) -> Any:
-    """Process-wide set-up every role shares: structlog, then heap reuse for message buffers."""
-    from .logs import setup
-    from .wire.memory import keep_freed_buffers
-
-    log = setup(role, cfg["log"]["level"], cfg["log"]["format"])
-    if not keep_freed_buffers():
-        log.debug("malloc thresholds not set (not glibc): large message buffers fault their pages in anew")
-    return log
 
 
 def config_options(fn: Any) -> Any:
@@ -66,8 +56,9 @@ def broker(
     """Run the broker: PULL segments from workers into the store, serve batches and status (ROUTER)."""
     cfg = _load(config, overrides, {"security.insecure": insecure})
     from .broker.server import main as broker_main
+    from .startup import start_process
 
-    log = _start_role("broker", cfg)
+    log = start_process("broker", cfg)
     sys.exit(broker_main(cfg, log, Path(run_dir) if run_dir else None, restore=not fresh))
 
 
@@ -85,8 +76,9 @@ def learner(
     (PUB + Clone snapshot)."""
     cfg = _load(config, overrides, {"security.insecure": insecure})
     from .learner.server import main as learner_main
+    from .startup import start_process
 
-    log = _start_role("learner", cfg)
+    log = start_process("learner", cfg)
     sys.exit(learner_main(cfg, log, Path(run_dir), resume))
 
 
@@ -109,10 +101,11 @@ def worker(
         preimport(cfg["run"]["env"])
     except BackendUnavailable as exc:
         click.echo(f"zclaw worker: {exc}", err=True)
-        sys.exit(2)
+        sys.exit(EXIT_CANNOT_START)
     from .worker.worker import main as worker_main
+    from .startup import start_process
 
-    log = _start_role("worker", cfg)
+    log = start_process("worker", cfg)
     sys.exit(worker_main(cfg, log, index))
 
 

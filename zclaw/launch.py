@@ -30,7 +30,7 @@ from typing import Any, Callable, Dict, List, Optional, Sequence, Tuple
 import zmq
 
 from . import config as config_mod
-from .stopping import EXIT_REFUSED
+from .stopping import EXIT_CANNOT_START, EXIT_FAILED, EXIT_OK, EXIT_REFUSED, StopSignals
 from .security import Security
 from .wire import LazyPirate, make, tcp
 from .wire.sockets import CurveClient
@@ -253,7 +253,7 @@ def train(
     if resume:
         if not (run_dir / "checkpoints" / "latest.pt").exists():
             echo(f"error: --resume: no checkpoint at {run_dir / 'checkpoints' / 'latest.pt'}")
-            return 2
+            return EXIT_CANNOT_START
         if (run_dir / "summary.json").exists():
             previous = json.loads((run_dir / "summary.json").read_text())
     config_path = prepare(cfg, run_dir)
@@ -285,18 +285,15 @@ def train(
     sec = Security.from_config(cfg, "tools")  # the launcher asks for status as the "tools" client
     broker_status = StatusClient(ctx, tcp("127.0.0.1", net["serve_port"]), curve=sec.client("broker"))
     learner_status = StatusClient(ctx, tcp("127.0.0.1", net["learner_port"]), curve=sec.client("learner"))
+
+    def kill_children() -> None:
+        for c in children:
+            if c.alive():
+                c.proc.kill()  # type: ignore[union-attr]
+
     # SIGTERM and SIGINT (Ctrl-C) ask for a clean stop; a second one kills what is left at once
-    signals = {"n": 0, "name": ""}
-
-    def on_signal(signum: int, frame: Any) -> None:
-        signals["n"] += 1
-        signals["name"] = signal.Signals(signum).name
-        if signals["n"] > 1:
-            for c in children:
-                if c.alive():
-                    c.proc.kill()  # type: ignore[union-attr]
-
-    old_handlers = {sig: signal.signal(sig, on_signal) for sig in (signal.SIGTERM, signal.SIGINT)}
+    signals = StopSignals(on_repeat=kill_children).install()
+    stop = signals.stop
     bar = None
     t0 = time.monotonic()
     b_rep: Optional[Dict[str, Any]] = None
@@ -311,10 +308,10 @@ def train(
             c.start()
         bar = _progress_bar(steps_goal, progress)
         last_line = 0.0
-        while not signals["n"]:
+        while not stop.is_set():
             time.sleep(0.5)
             for c in children:
-                if signals["n"] or c.alive():
+                if stop.is_set() or c.alive():
                     continue
                 code = c.proc.returncode  # type: ignore[union-attr]
                 # refused (another spec or protocol): a restart cannot help
@@ -329,7 +326,7 @@ def train(
                                + c.log_tail())
                     reason, detail = "role_failed", f"{c.name} exited with code {code}"
                     break
-            if failure or signals["n"]:
+            if failure or stop.is_set():
                 break
             b_rep = broker_status.report() or b_rep
             l_rep = learner_status.report() or l_rep
@@ -346,17 +343,17 @@ def train(
                 reason = "time"
                 break
     except KeyboardInterrupt:  # a SIGINT that came before our handler was installed
-        signals["n"] = max(1, signals["n"])
-        signals["name"] = signals["name"] or "SIGINT"
+        stop.set()
+        signals.name = signals.name or "SIGINT"
     finally:
-        if signals["n"] and reason is None:
-            reason, detail = "interrupted", signals["name"]
-            echo(f"\ninterrupted ({signals['name']}): stopping every process within {grace:g} s")
+        if stop.is_set() and reason is None:
+            reason, detail = "interrupted", signals.name
+            echo(f"\ninterrupted ({signals.name}): stopping every process within {grace:g} s")
         deadline = time.monotonic() + grace
         if bar is not None:
             bar.close()
         wall = time.monotonic() - t0
-        if not signals["n"]:  # the last reports, unless the user wants out now (each is one bounded try)
+        if not stop.is_set():  # the last reports, unless the user wants out now (each is one bounded try)
             b_rep = broker_status.report() or b_rep
             l_rep = learner_status.report() or l_rep
         workers = [c.proc for c in children if c.name.startswith("worker") and c.proc is not None]
@@ -373,16 +370,15 @@ def train(
         broker_status.close()
         learner_status.close()
         ctx.term()
-        for sig, handler in old_handlers.items():
-            signal.signal(sig, handler)
+        signals.restore()
     summary = summarise(b_rep, l_rep, wall, previous, stop_reason=reason, stop_detail=detail,
                         restarts={c.name: c.restarts for c in children})
     (run_dir / "summary.json").write_text(json.dumps(summary, indent=2) + "\n")
     echo("\nzclaw train summary\n" + format_table(summary) + f"\n  run dir: {run_dir}")
     if failure:
         echo("error: " + failure)
-        return 1
-    return 0
+        return EXIT_FAILED
+    return EXIT_OK
 
 
 def _progress_bar(total: int, enabled: bool) -> Any:
