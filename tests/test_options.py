@@ -19,7 +19,7 @@ from zclaw.policy.networks import OptionPolicy, PolicyConfig
 from zclaw.policy.weights import model_from_weights, weights_message
 from zclaw.wire import unpack, parse
 
-from test_trainer import bandit_batch, batch_message, empty_batch, learner_cfg, make_model, spec_of
+from support.batches import bandit_batch, batch_message, empty_batch, learner_cfg, make_model, spec_of
 
 
 def random_batch(spec, rng, B=2, T=6, N=3, K=1, version=0) -> Dict[str, np.ndarray]:

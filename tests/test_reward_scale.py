@@ -9,7 +9,7 @@ import torch
 
 from zclaw.learner.trainer import Trainer
 from zclaw.policy.normalizer import RewardScaler
-from test_trainer import batch_message, empty_batch, learner_cfg, make_model, spec_of
+from support.batches import batch_message, empty_batch, learner_cfg, make_model, spec_of
 
 
 def reference_std(reward: np.ndarray, done: np.ndarray, gamma: float) -> float:

@@ -26,7 +26,7 @@ import torch
 from torch import nn
 
 from zclaw.learner.trainer import Trainer
-from test_trainer import batch_message, empty_batch, learner_cfg, make_model, spec_of
+from support.batches import batch_message, empty_batch, learner_cfg, make_model, spec_of
 
 L, H, GAMMA = 6, 4, 0.9
 
