@@ -26,6 +26,9 @@ CASES = {
     "snapshot": (["--seconds", "3", "--capacity", "384", "--interval", "0.5"],
                  rf"ratio during / between snapshots, thread: ({FLOAT}|n/a)"),
     "curve": (["--seconds", "1"], rf"ratio CURVE / plain: {FLOAT}"),
+    # the meter's own cost: a few hundred samples and a 1-s paced run
+    "resources": (["--n", "200", "--rounds", "1", "--seconds", "1"],
+                  rf"cost of the resource view: {FLOAT}% of one core"),
     # zclaw only (SB3 and Sample Factory are not in the test install): one short run and its table row
     "learning": (["--tasks", "reacher", "--variants", "k1", "--seeds", "1", "--cap", "10"],
                  r"\| reacher \| return >= -5\.0 \| zclaw K=1 \| "),

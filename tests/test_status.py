@@ -73,6 +73,79 @@ def test_status_json_shows_what_the_roles_report(roles: Roles, tmp_path: Path) -
         assert part in text.stdout, (part, text.stdout)
 
 
+def test_status_metrics_and_tensorboard_show_each_roles_resources(roles: Roles, tmp_path: Path) -> None:
+    """CPU, RSS, threads and GPU of every role process: in the broker's and the learner's reports (the
+    worker's through its hello heartbeat), in `zclaw status`, metrics.jsonl and TensorBoard."""
+    import psutil
+
+    run = tmp_path / "run"
+    broker = roles.start("broker")
+    learner = roles.start("learner", "--run-dir", str(run), "--set", "log.metrics_s=1")
+    worker = roles.start("worker", "--env", "gym:Reacher-v5", "--index", "0", name="worker0")
+    L = roles.wait(roles.learner, lambda r: (r.get("version") or 0) >= 2
+                   and (r.get("resources") or {}).get("cpu_percent", 0) > 0, timeout=75)
+    # the hello at the handshake has a CPU window of ~0 s (0.0); the heartbeat 5 s later a real one
+    B = roles.wait(roles.broker, lambda r: any((w.get("resources") or {}).get("cpu_percent", 0) > 0
+                                               for w in r["workers"].values()), timeout=30)
+    (W,) = B["workers"].values()
+    for name, res, proc in (("broker", B["resources"], broker), ("learner", L["resources"], learner),
+                            ("worker", W["resources"], worker)):
+        assert set(res) == {"cpu_percent", "rss_mb", "threads", "gpu"}, (name, res)
+        assert res["gpu"] == "no GPU" and res["cpu_percent"] >= 0, (name, res)
+        # that role's own process (not the tester's, not another role's), sampled at most a few seconds ago
+        ps = psutil.Process(proc.pid)
+        rss_now = ps.memory_info().rss / 2 ** 20
+        assert 0.5 * rss_now < res["rss_mb"] < 2 * rss_now, (name, res, rss_now)
+        assert res["threads"] >= 1 and 0.5 * ps.num_threads() <= res["threads"] <= 2 * ps.num_threads(), (
+            name, res, ps.num_threads())
+    assert W["pid"] == worker.pid and W["resources"]["cpu_percent"] > 0 and L["resources"]["cpu_percent"] > 0
+
+    out = status(roles, "--once")
+    assert out.returncode == 0, out.stderr
+    lines = out.stdout.splitlines()
+    res_lines = [i for i, line in enumerate(lines) if line.strip().startswith("resources: cpu ")]
+    learner_at = next(i for i, line in enumerate(lines) if line.startswith("LEARNER"))
+    broker_at = next(i for i, line in enumerate(lines) if line.startswith("BROKER"))
+    assert len(res_lines) == 2 and learner_at < res_lines[0] < broker_at < res_lines[1], out.stdout
+    assert all("% of a core  rss " in lines[i] and "MiB  threads " in lines[i] and lines[i].endswith("no GPU")
+               for i in res_lines), out.stdout
+    header = next(line for line in lines if line.strip().startswith("id "))
+    row = next(line for line in lines if str(worker.pid) in line)
+    assert "cpu %" in header and "rss MiB" in header and "threads" in header and row.endswith("no GPU"), (
+        header, row)
+    snap = json.loads(status(roles, "--json").stdout)
+    assert snap["workers"][0]["resources"]["gpu"] == "no GPU"
+
+    def metrics_line():
+        for line in reversed((run / "metrics.jsonl").read_text().splitlines()):
+            d = json.loads(line)
+            if d.get("workers") and all(d["resources"].get(k) for k in ("learner", "broker")):
+                return d
+        return None
+
+    deadline = time.monotonic() + 30
+    while metrics_line() is None or not all(w.get("resources") for w in metrics_line()["workers"].values()):
+        assert time.monotonic() < deadline, (run / "metrics.jsonl").read_text()[-2000:]
+        time.sleep(0.5)
+    m = metrics_line()
+    assert m["resources"]["learner"]["rss_mb"] > 0 and m["resources"]["broker"]["threads"] >= 1
+    assert [w["resources"]["gpu"] for w in m["workers"].values()] == ["no GPU"]
+
+    learner.terminate()  # the writer flushes its events at exit
+    assert learner.wait(60) == 0
+    from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
+
+    acc = EventAccumulator(str(run / "tb"))
+    acc.Reload()
+    tags = set(acc.Tags()["scalars"])
+    wid = next(iter(m["workers"]))
+    for tag in ("resources/learner/cpu_percent", "resources/learner/rss_mb", "resources/learner/threads",
+                "resources/broker/cpu_percent", "resources/broker/rss_mb", f"resources/worker/{wid}/rss_mb"):
+        assert tag in tags, (tag, sorted(tags))
+    assert not any("gpu" in t for t in tags if t.startswith("resources/"))  # no GPU: no GPU series
+    assert acc.Scalars("resources/learner/rss_mb")[-1].value > 0
+
+
 def test_status_fails_clearly_when_nothing_answers() -> None:
     a, b = free_port(), free_port()
     out = subprocess.run(ZCLAW + ["status", "--once", "--timeout", "200", "--broker", f"127.0.0.1:{a}",

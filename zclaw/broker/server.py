@@ -47,7 +47,7 @@ import zmq
 from ..stopping import install_stop_signals
 
 from .. import __version__
-from ..telemetry import EpisodeWindow, RateMeter
+from ..telemetry import EpisodeWindow, RateMeter, ResourceMeter, resources_from_wire
 from ..tokens import TokenBucket
 from ..wire.limits import MAX_BATCH_SEGMENTS, MAX_REPORT_WORKERS
 from ..wire.messages import EnvSpec, make, max_segment_bytes, parse
@@ -118,10 +118,14 @@ class WorkerInfo:
         self.rate = RateMeter(now=now)
         #: segments of this worker dropped for values beyond worker.max_abs_obs / max_abs_reward
         self.out_of_range = 0
+        #: the worker process's CPU, memory, threads and GPU, from its last hello (checked and rebuilt by
+        #: telemetry.resources_from_wire: a fixed small shape whatever it sent), or None
+        self.resources: Optional[Dict[str, Any]] = None
 
     def report(self, now: float) -> Dict[str, Any]:
         return {
             "out_of_range": self.out_of_range,
+            "resources": self.resources,
             "host": self.host,
             "pid": self.pid,
             "last_seen_s": round(now - self.last_seen, 3),
@@ -166,6 +170,7 @@ class Broker:
         self.insert_meter = RateMeter(now=self.t0)
         self.sample_meter = RateMeter(now=self.t0)
         self.episodes = EpisodeWindow()  # the episodes the segments reported
+        self.resources = ResourceMeter()  # this process's CPU, memory, threads: the report's ``resources``
         self.snapshots: Optional[snapshot.Snapshotter] = None
         self.identity = f"broker-{socket.gethostname()}-{os.getpid()}"
         self.refused: Counter = Counter()
@@ -238,6 +243,7 @@ class Broker:
         info = self._worker(msg["identity"], time.monotonic())
         info.host = msg["host"]
         info.pid = msg["pid"]
+        info.resources = resources_from_wire(msg.get("resources"))
 
     def _adopt(self, spec: EnvSpec, identity: str) -> None:
         b = self.cfg["broker"]
@@ -358,6 +364,7 @@ class Broker:
         if role == "worker":
             info = self._worker(who, time.monotonic())
             info.host, info.pid = msg["host"], msg["pid"]
+            info.resources = resources_from_wire(msg.get("resources"))  # the heartbeat's, every 5 s
         elif who not in self._clients:  # a learner or a tool: say who came, once
             if len(self._clients) >= MAX_WORKERS:
                 self._clients.clear()
@@ -465,6 +472,7 @@ class Broker:
             "snapshot": self.snapshots.report() if self.snapshots is not None else None,
             "refused": dict(self.refused),
             "restored": self.restored,
+            "resources": self.resources.report(now),
         }
 
     def _recent_workers(self) -> List[str]:

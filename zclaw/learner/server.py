@@ -52,7 +52,7 @@ from ..wire import (
 )
 from ..wire.messages import batch_dims
 from ..wire.sockets import CurveServer, term_context
-from ..telemetry import EpisodeWindow, RateMeter
+from ..telemetry import EpisodeWindow, RateMeter, ResourceMeter, cuda_index, resource_scalars
 from ..tokens import TokenBucket
 from ..config import ConfigError
 from ..security import Security
@@ -279,6 +279,9 @@ class Learner:
         self.refused: Optional[str] = None  # why the broker refused us, if it did
         self.options: Optional[Dict[str, Any]] = None  # OptionHealth.summary of the latest update
         self.broker_report: Optional[Dict[str, Any]] = None  # the broker's last status (metrics.jsonl, TB)
+        #: this process's CPU, memory, threads and (learner.device = cuda) GPU: report, metrics.jsonl, TB;
+        #: report() runs per update, the meter samples at most every RESOURCE_INTERVAL_S
+        self.resources = ResourceMeter(gpu=cuda_index(self.lcfg["device"]))
         self.last_update: Optional[float] = None  # wall time of the last update (the "train" loop's answer)
 
     # -- setup ------------------------------------------------------------------------------------------
@@ -414,6 +417,7 @@ class Learner:
             "broker_status_drops": dict(self.broker_status.drops) if self.broker_status is not None else {},
             "loops": {"learner-train": loop_report(self.last_update, self.updates, self.drops.counts.get(
                 "train_error", 0))},
+            "resources": self.resources.report(now),
         })
 
     def _report(self, **extra: Any) -> None:
@@ -540,11 +544,20 @@ class Learner:
                 "options": rep.get("options"),
                 "broker": {k: b.get(k) for k in ("fill", "capacity", "insert_rate", "sample_rate", "drops",
                                                  "lag_hist", "episodes", "return_mean_100")} if b else None,
-                "workers": {k: {"rate": w.get("rate"), "version": w.get("version"), "host": w.get("host")}
+                "workers": {k: {"rate": w.get("rate"), "version": w.get("version"), "host": w.get("host"),
+                                "resources": w.get("resources")}
                             for k, w in (b.get("workers") or {}).items()},
+                # each role process's CPU (% of one core), RSS (MiB), threads and GPU (or "no GPU")
+                "resources": {"learner": rep.get("resources"), "broker": b.get("resources")},
             }
             with open(self.run_dir / "metrics.jsonl", "a") as f:
                 f.write(json.dumps(finite_json(line), sort_keys=True) + "\n")
+            if self.writer is not None:  # resources/<role>/<figure>, resources/worker/<id>/<figure>
+                roles = [("learner", rep.get("resources")), ("broker", b.get("resources"))]
+                roles += [(f"worker/{k}", w.get("resources")) for k, w in (b.get("workers") or {}).items()]
+                for role, res in roles:
+                    for k, v in resource_scalars(res).items():
+                        self.writer.add_scalar(f"resources/{role}/{k}", v, self.steps_consumed)
             if self.writer is not None and b:
                 g, w = self.steps_consumed, self.writer
                 w.add_scalar("throughput/broker_insert_steps_per_s", float(b.get("insert_rate") or 0.0), g)

@@ -82,6 +82,7 @@ def build_snapshot(
             "version_age_s": w.get("version_age_s"),
             "segments": w.get("segments"),
             "steps": w.get("steps"),
+            "resources": w.get("resources"),
         })
     return {
         "time": time.time(),
@@ -175,6 +176,30 @@ def loops_line(report: Optional[Dict[str, Any]], now: float) -> Optional[str]:
     return "         loops: last answer " + ", ".join(parts)
 
 
+def gpu_text(gpu: Any) -> str:
+    """A ``resources.gpu`` entry in a few words: "no GPU", a note why it could not be read, or the device's
+    utilisation and memory (and this process's own memory when NVML tells it)."""
+    if isinstance(gpu, str):
+        return gpu
+    if not isinstance(gpu, dict):
+        return "-"
+    own = gpu.get("process_mem_mb")
+    used, total = gpu.get("mem_used_mb"), gpu.get("mem_total_mb")
+    mem = (f"{used / 1024:.1f}/{total / 1024:.1f} GiB" if isinstance(used, (int, float))
+           and isinstance(total, (int, float)) else "-")
+    return (f"GPU {_f(gpu.get('index'))} util {_f(gpu.get('util_percent'), 0)}% mem {mem}"
+            + (f" (this process {own:.0f} MiB)" if isinstance(own, (int, float)) else ""))
+
+
+def resources_line(report: Optional[Dict[str, Any]]) -> Optional[str]:
+    """A role's ``resources`` (telemetry.ResourceMeter) in one line: CPU (% of a core), RSS, threads, GPU."""
+    res = (report or {}).get("resources")
+    if not isinstance(res, dict):
+        return None
+    return (f"         resources: cpu {_f(res.get('cpu_percent'), 1)}% of a core  rss "
+            f"{_f(res.get('rss_mb'), 0)} MiB  threads {_f(res.get('threads'))}  {gpu_text(res.get('gpu'))}")
+
+
 def render(snap: Dict[str, Any]) -> str:
     """The text view of a snapshot (what the live view redraws)."""
     ep = snap["endpoints"]
@@ -195,6 +220,9 @@ def render(snap: Dict[str, Any]) -> str:
             f"{_f(L.get('lag_mean'))} max {_f(L.get('lag_max'))}"
             + (f"  state: {L['state']}" if L.get("state") else "")
         )
+        res = resources_line(L)
+        if res:
+            lines.append(res)
         loops = loops_line(L, snap["time"])
         if loops:
             lines.append(loops)
@@ -221,6 +249,9 @@ def render(snap: Dict[str, Any]) -> str:
         )
         lines.append(f"         return (last 100) {_f(B.get('return_mean_100'))}  success "
                      f"{_f(B.get('success_rate_100'))}  episodes {_f(B.get('episodes'))}  drops: {drop_text}")
+        res = resources_line(B)
+        if res:
+            lines.append(res)
         loops = loops_line(B, snap["time"])
         if loops:
             lines.append(loops)
@@ -234,10 +265,14 @@ def render(snap: Dict[str, Any]) -> str:
     W = snap["workers"]
     lines.append(f"WORKERS  {len(W)}" + ("" if B is not None else " (the broker did not answer)"))
     if W:
-        rows = [[w["id"], w["host"], w["pid"], w["steps_per_s"], w["last_seen_s"], w["version"], w["behind"],
-                 w["version_age_s"]] for w in W]
-        lines += _table(["id", "host", "pid", "steps/s", "last seen s", "version", "behind", "weights age s"],
-                        rows)
+        rows = []
+        for w in W:
+            res = w.get("resources") if isinstance(w.get("resources"), dict) else {}
+            rows.append([w["id"], w["host"], w["pid"], w["steps_per_s"], w["last_seen_s"], w["version"],
+                         w["behind"], w["version_age_s"], res.get("cpu_percent"), res.get("rss_mb"),
+                         res.get("threads"), gpu_text(res.get("gpu")) if res else None])
+        lines += _table(["id", "host", "pid", "steps/s", "last seen s", "version", "behind", "weights age s",
+                         "cpu %", "rss MiB", "threads", "gpu"], rows)
     return "\n".join(lines)
 
 

@@ -37,7 +37,7 @@ from ..core import BatchedEnv
 from ..envs import make_env
 from ..policy.networks import OptionPolicy
 from ..policy.weights import load_weights, model_from_weights
-from ..telemetry import EpisodeWindow
+from ..telemetry import EpisodeWindow, ResourceMeter, cuda_index
 from ..wire import DropCounter, LazyPirate, Message, Segment, WireError, make, make_socket, parse, tcp
 from ..wire.limits import MAX_EPISODES
 from ..wire.messages import EnvSpec
@@ -473,6 +473,10 @@ class Worker:
         self.stop = stop
         self.spec = env.spec
         self.identity = worker_identity(index)
+        #: this process's CPU, memory, threads and (--gpu N, a GPU simulator) GPU: sent in every hello (the
+        #: heartbeat, every HEARTBEAT_S), which is how the broker's report and `zclaw status` show it
+        gpu = cuda_index(device)
+        self.resources = ResourceMeter(gpu=gpu if gpu is not None else cuda_index(getattr(env, "device", "")))
         self.T = int(cfg["worker"]["segment_length"])
         self.N = int(env.num_envs)
         self.ctx = ctx if ctx is not None else zmq.Context()
@@ -513,6 +517,8 @@ class Worker:
         return make(
             "hello", role="worker", identity=self.identity, host=socket.gethostname(), pid=os.getpid(),
             zclaw=__version__, spec=self.spec.to_dict(),
+            # outside the hello schema (a receiver keeps up to MAX_UNKNOWN_BYTES of such fields); ~100 bytes
+            resources=self.resources.report(),
         )
 
     def heartbeat(self) -> None:
@@ -668,6 +674,7 @@ class Worker:
             return_mean_100=self.episodes.return_mean(),
             out_of_range=self.guard.counts(),
             episodes_unreported=self.buf.episodes_unreported,
+            resources=self.resources.report(now),
             **self.sender.counters(),
         )
 
