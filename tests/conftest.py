@@ -1,14 +1,22 @@
-"""Shared fixtures: ``start_broker`` starts real broker processes and kills them after the test.
+"""Shared fixtures over tests/support: ``roles`` (broker, learner and workers by their CLI on shared ports,
+all stopped after the test) and ``start_broker`` (real broker processes, killed after the test).
 
-It lives here, not in test_broker.py, so the modules that use it (test_broker, test_handshake,
-test_snapshot) get it from pytest instead of importing it under the name of their test parameter.
+They live here so the modules that use them get them from pytest; no test module imports another.
 """
 from __future__ import annotations
 
-from typing import Any, List
+from pathlib import Path
+from typing import Any, Iterator, List
 
 import pytest
-from test_broker import BrokerProc
+from support.procs import BrokerProc, Roles
+
+
+@pytest.fixture
+def roles(tmp_path: Path) -> Iterator[Roles]:
+    r = Roles(tmp_path)
+    yield r
+    r.close()
 
 
 @pytest.fixture

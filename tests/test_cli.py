@@ -2,11 +2,9 @@
 from __future__ import annotations
 
 import subprocess
-import sys
 
 import pytest
-
-ZCLAW = [sys.executable, "-m", "zclaw.cli"]
+from support.procs import ZCLAW
 
 
 def run(*args: str, timeout: float = 60) -> subprocess.CompletedProcess:

@@ -12,6 +12,7 @@ from pathlib import Path
 from typing import Any, Dict, List
 
 import pytest
+from support.procs import ZCLAW
 
 from zclaw import config as config_mod
 from zclaw.security import Security
@@ -19,7 +20,6 @@ from zclaw.security import Security
 ROOT = Path(__file__).resolve().parent.parent
 SBATCH = ROOT / "deploy" / "slurm" / "zclaw.sbatch"
 K8S = ROOT / "deploy" / "k8s"
-ZCLAW = [sys.executable, "-m", "zclaw.cli"]
 yaml = pytest.importorskip("yaml")
 
 

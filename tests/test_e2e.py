@@ -3,86 +3,11 @@ training a real network."""
 from __future__ import annotations
 
 import json
-import os
 import subprocess
-import sys
-import time
 from pathlib import Path
-from typing import Any, Dict, List, Optional
 
-import pytest
-import zmq
-
-from zclaw.launch import StatusClient, free_port, stop_processes
-from zclaw.wire import tcp
-
-ZCLAW = [sys.executable, "-m", "zclaw.cli"]
-FAST = [
-    "--set", "worker.envs=4", "--set", "worker.segment_length=32", "--set", "learner.batch_segments=2",
-    "--set", "learner.epochs=2", "--set", "learner.minibatches=2", "--set", "log.status_s=1",
-    "--set", "learner.checkpoint_s=5",
-]
-STATUS_MS = 10000
-
-
-class Roles:
-    """Start roles by their CLI with shared free ports; ask them for status; stop them all at the end."""
-
-    def __init__(self, tmp: Path) -> None:
-        self.tmp = tmp
-        self.ports = {k: free_port() for k in ("ingest_port", "serve_port", "publish_port", "learner_port")}
-        self.procs: List[subprocess.Popen] = []
-        self.ctx = zmq.Context()
-        # a generous reply timeout: a loaded machine can starve a role for a second or more
-        self.broker = StatusClient(self.ctx, tcp("127.0.0.1", self.ports["serve_port"]), STATUS_MS)
-        self.learner = StatusClient(self.ctx, tcp("127.0.0.1", self.ports["learner_port"]), STATUS_MS)
-
-    def args(self) -> List[str]:
-        out = list(FAST)
-        for k, v in self.ports.items():
-            out += ["--set", f"network.{k}={v}"]
-        return out
-
-    def start(
-        self, role: str, *extra: str, name: Optional[str] = None, env: Optional[Dict[str, str]] = None
-    ) -> subprocess.Popen:
-        """``env``: variables added to this process's environment (e.g. PYTHONPATH for a fake backend)."""
-        log = open(self.tmp / f"{name or role}.log", "wb")
-        p = subprocess.Popen(
-            ZCLAW + [role] + self.args() + list(extra), stdout=log, stderr=subprocess.STDOUT,
-            env=None if env is None else {**os.environ, **env},
-        )
-        self.procs.append(p)
-        return p
-
-    def wait(self, client: StatusClient, pred: Any, timeout: float = 60) -> Dict[str, Any]:
-        reached, rep = client.wait_until(pred, timeout)
-        if not reached:
-            raise AssertionError(f"condition not reached in {timeout}s; last report {rep}")
-        return rep
-
-    def close(self) -> None:
-        stop_processes(self.procs, 15)
-        self.broker.close()
-        self.learner.close()
-        self.ctx.destroy(linger=0)  # also closes a socket a failed test left open (term() would wait on it)
-
-
-@pytest.fixture
-def roles(tmp_path: Path):
-    r = Roles(tmp_path)
-    yield r
-    r.close()
-
-
-def log_lines(path: Path) -> List[Dict[str, Any]]:
-    out = []
-    for line in path.read_text().splitlines():
-        try:
-            out.append(json.loads(line))
-        except ValueError:
-            pass
-    return out
+from support.logs import log_lines, wait_event
+from support.procs import FAST, ZCLAW, Roles
 
 
 def test_roles_by_hand_train_together_and_a_late_worker_acts_on_current_weights(
@@ -99,22 +24,27 @@ def test_roles_by_hand_train_together_and_a_late_worker_acts_on_current_weights(
     b = roles.wait(roles.broker, lambda r: any(w["version"] >= v for w in r["workers"].values()), timeout=30)
     assert b["inserted_steps"] > 0 and b["lag_hist"]
 
-    # a worker joining now acts on the current version within one second of having its envs
+    # a worker of another shape joining now (2 envs where worker0 has 4, configured for 16-step segments
+    # where the run has 32) acts on the current version within one second of having its envs, takes the
+    # run's segment length from the welcome, and every segment it sends is stored and trained on
     joined_at = roles.learner.report()["version"]
-    roles.start("worker", "--env", "gym:Reacher-v5", "--index", "1", name="worker1")
+    roles.start("worker", "--env", "gym:Reacher-v5", "--index", "1", "--envs", "2",
+                "--set", "worker.segment_length=16", name="worker1")
     b = roles.wait(roles.broker, lambda r: len(r["workers"]) == 2, timeout=60)
-    deadline = time.monotonic() + 30
-    acting = []
-    while time.monotonic() < deadline and not acting:
-        acting = [e for e in log_lines(tmp_path / "worker1.log") if e.get("event") == "acting"]
-        time.sleep(0.2)
-    assert acting, "worker1 never acted"
-    assert acting[0]["version"] >= joined_at, (
+    acting = wait_event(tmp_path / "worker1.log", "acting", 30, interval=0.2)  # worker1 acts
+    assert acting["version"] >= joined_at, (
         "a joining worker must act on the current weights, not version 0"
     )
+    assert acting["T"] == 32 and acting["envs"] == 2
+    w1 = [k for k in b["workers"] if k.startswith("w1-")][0]
+    b = roles.wait(roles.broker, lambda r: r["workers"][w1]["segments"] >= 3, timeout=60)
+    mine = b["workers"][w1]
+    assert mine["envs"] == 2 and mine["steps"] == mine["segments"] * 32 * 2
+    assert not {"bad_shape", "oversize"} & set(b["drops"]), b["drops"]
+    roles.wait(roles.learner, lambda r: r["version"] >= joined_at + 3, timeout=60)  # trains on the mix
     # measured by the worker itself: from "worker starting" (envs built) through the broker's welcome
     # and the learner's snapshot to the first action
-    assert acting[0]["join_s"] < 1.0, acting[0]
+    assert acting["join_s"] < 1.0, acting
 
     # every line of every role's log carries role, host, pid and version
     for name in ("broker", "learner", "worker0", "worker1"):

@@ -6,7 +6,7 @@ import sys
 from pathlib import Path
 
 import pytest
-from test_broker import BrokerProc
+from support.procs import BrokerProc
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "bench"))
 import load as load_bench  # noqa: E402

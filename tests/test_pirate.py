@@ -1,20 +1,15 @@
 """Lazy Pirate with credit: requests stay in flight, replies come back in order, a dead peer is survived."""
 from __future__ import annotations
 
-import socket
 import threading
 import time
-from typing import Callable, List
+from typing import List
 
+from support.procs import free_port
+from support.waiting import wait_until
 import zmq
 
 from zclaw.wire import CreditPirate, make, parse
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 class Server(threading.Thread):
@@ -88,7 +83,7 @@ def test_a_silent_peer_is_replaced_and_outstanding_requests_are_sent_again() -> 
     try:
         t.start()
         mute = servers[0]
-        wait_until(lambda: len(mute.seen) >= 2)
+        wait_until(lambda: len(mute.seen) >= 2, 5, "both credits sent to the mute peer", interval=0.01)
         assert mute.seen == [7, 7]  # both credits went out, neither is answered
         stop(mute)
         live = Server(ctx, port)  # the peer comes back on the same port
@@ -97,7 +92,7 @@ def test_a_silent_peer_is_replaced_and_outstanding_requests_are_sent_again() -> 
         t.join(10)
         assert result["r"]["retry_ms"] == 7 and client.failures == 0
         # the client returns on the first reply; the second request may still be on its way in
-        wait_until(lambda: len(live.seen) >= 2)
+        wait_until(lambda: len(live.seen) >= 2, 5, "both requests asked again", interval=0.01)
         assert live.seen[:2] == [7, 7]  # the fresh socket asked both outstanding requests again
     finally:
         done.set()
@@ -106,12 +101,6 @@ def test_a_silent_peer_is_replaced_and_outstanding_requests_are_sent_again() -> 
         t.join(5)
         client.close()
         ctx.term()
-
-
-def wait_until(condition: Callable[[], bool], seconds: float = 5.0) -> None:
-    deadline = time.monotonic() + seconds
-    while not condition() and time.monotonic() < deadline:
-        time.sleep(0.01)
 
 
 def stop(server: Server) -> None:

@@ -2,11 +2,11 @@
 from __future__ import annotations
 
 import subprocess
-import sys
 from pathlib import Path
 
 import numpy as np
 import pytest
+from support.procs import ZCLAW
 import torch
 
 from zclaw import config as config_mod
@@ -15,8 +15,6 @@ from zclaw.learner import checkpoint as ckpt
 from zclaw.policy.networks import OptionPolicy
 from zclaw.policy.weights import policy_config
 from zclaw.tools.video import PALETTE, STUDENT_COLOUR, annotate, default_gl, gl_probe
-
-ZCLAW = [sys.executable, "-m", "zclaw.cli"]
 
 
 @pytest.fixture(scope="module")
