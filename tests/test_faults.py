@@ -11,10 +11,11 @@ import signal
 import subprocess
 import time
 from pathlib import Path
-from typing import Any, Callable, Dict, List
+from typing import Any, Dict, List
 
 import pytest
-from test_e2e import Roles, log_lines
+from support.logs import events, log_lines, wait_event
+from support.procs import Roles, children, sigterm
 
 from zclaw.broker import snapshot
 from zclaw.learner import checkpoint as ckpt
@@ -35,45 +36,15 @@ def opts(run: Path) -> List[str]:
     return out
 
 
-def events(path: Path, name: str) -> List[Dict[str, Any]]:
-    return [e for e in log_lines(path) if e.get("event") == name]
-
-
-def wait_event(
-    path: Path, name: str, timeout: float = 60, where: Callable[[Dict[str, Any]], bool] = lambda e: True
-) -> Dict[str, Any]:
-    """The first event ``name`` in the log at ``path`` for which ``where`` holds, waiting
-    up to ``timeout``."""
-    deadline = time.monotonic() + timeout
-    while time.monotonic() < deadline:
-        found = [e for e in events(path, name) if where(e)]
-        if found:
-            return found[0]
-        time.sleep(0.1)
-    raise AssertionError(f"no {name!r} in {path.name} within {timeout} s:\n{path.read_text()[-3000:]}")
-
-
 def kill(p: subprocess.Popen) -> None:
     p.send_signal(signal.SIGKILL)
     p.wait(10)
-
-
-def children(pid: int) -> List[int]:
-    out = subprocess.run(["ps", "-o", "pid=", "--ppid", str(pid)], capture_output=True, text=True).stdout
-    return [int(x) for x in out.split()]
 
 
 def store_balanced(rep: Dict[str, Any]) -> bool:
     """Queue mode, max_reuse 1: every segment inserted was sampled once, is still stored, or was dropped."""
     store_drops = sum(v for k, v in rep["drops"].items() if k in STORE_CAUSES)
     return rep["inserted_segments"] == rep["sampled_segments"] + rep["fill"] + store_drops
-
-
-@pytest.fixture
-def roles(tmp_path: Path):
-    r = Roles(tmp_path)
-    yield r
-    r.close()
 
 
 def test_sigkill_worker_learner_and_broker_then_restart_and_the_run_goes_on(roles: Roles, tmp_path: Path) -> None:  # noqa: E501
@@ -166,8 +137,7 @@ def test_sigterm_each_role_exits_promptly_with_its_final_files_and_nothing_left(
     def term(p: subprocess.Popen, within: float) -> float:
         """SIGTERM; the process must exit 0 within ``within`` s; return the wall time of the signal."""
         t0 = time.time()
-        p.send_signal(signal.SIGTERM)
-        assert p.wait(within) == 0
+        assert sigterm(p, within) == 0
         return t0
 
     sent = 0

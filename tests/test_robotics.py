@@ -103,7 +103,7 @@ def test_bad_vectorize_value_is_refused() -> None:
     ids=["fetch-subprocess", "hand-loop"],
 )
 def test_env_steps_through_a_worker_into_the_broker(name: str, extra: list, tmp_path: Path) -> None:
-    from test_e2e import Roles
+    from support.procs import Roles
 
     roles = Roles(tmp_path)
     try:

@@ -12,82 +12,16 @@ import signal
 import subprocess
 import time
 from pathlib import Path
-from typing import Dict, Iterator, List, Optional
+from typing import Iterator, List
 
 import pytest
-import zmq
-from test_e2e import FAST, ZCLAW, log_lines
-
-from zclaw import config as config_mod
-from zclaw.launch import StatusClient
-from zclaw.wire import tcp
+from support.logs import wait_event
+from support.procs import Train, role_pids
+from support.waiting import wait_until
 
 GRACE_S = 5.0
 #: how long past the grace period a loaded 2-core machine may need to reap and write the summary
 MARGIN_S = 15.0
-
-
-def role_pids(train_pid: int) -> Dict[str, int]:
-    """role name (broker, learner, worker0, ...) -> pid of ``train``'s live children."""
-    ps = ["ps", "-o", "pid=", "--ppid", str(train_pid)]
-    out = subprocess.run(ps, capture_output=True, text=True).stdout
-    roles: Dict[str, int] = {}
-    for pid in (int(x) for x in out.split()):
-        try:
-            argv = Path(f"/proc/{pid}/cmdline").read_bytes().split(b"\0")
-        except OSError:
-            continue
-        args = [a.decode() for a in argv]
-        for role in ("broker", "learner", "worker"):
-            if role in args:
-                name = role + (args[args.index("--index") + 1] if role == "worker" else "")
-                roles[name] = pid
-    return roles
-
-
-class Train:
-    """One ``zclaw train`` process in ``run_dir``; status clients once its config.toml names the ports."""
-
-    def __init__(self, run_dir: Path, *args: str) -> None:
-        self.run_dir = run_dir
-        self.out = open(run_dir.parent / "train.out", "wb")
-        self.proc = subprocess.Popen(ZCLAW + ["train", "--run-dir", str(run_dir)] + FAST + list(args),
-                                     stdout=self.out, stderr=subprocess.STDOUT)
-        self.ctx = zmq.Context()
-        self.clients: Dict[str, StatusClient] = {}
-
-    def client(self, role: str) -> StatusClient:
-        if role not in self.clients:
-            deadline = time.monotonic() + 60
-            while not (self.run_dir / "config.toml").exists():
-                assert time.monotonic() < deadline, "train wrote no config.toml"
-                time.sleep(0.2)
-            net = config_mod.load(str(self.run_dir / "config.toml"), [])["network"]
-            port = net["serve_port"] if role == "broker" else net["learner_port"]
-            self.clients[role] = StatusClient(self.ctx, tcp("127.0.0.1", port), 10000)
-        return self.clients[role]
-
-    def wait(self, role: str, pred, timeout: float = 90) -> dict:
-        reached, rep = self.client(role).wait_until(pred, timeout)
-        assert reached, f"{role}: condition not reached in {timeout} s; last report {rep}\n{self.output()}"
-        return rep  # type: ignore[return-value]
-
-    def output(self) -> str:
-        return (self.run_dir.parent / "train.out").read_text(errors="replace")[-4000:]
-
-    def close(self) -> None:
-        if self.proc.poll() is None:
-            for pid in role_pids(self.proc.pid).values():
-                try:
-                    os.kill(pid, signal.SIGKILL)
-                except ProcessLookupError:
-                    pass
-            self.proc.kill()
-            self.proc.wait()
-        for c in self.clients.values():
-            c.close()
-        self.ctx.destroy(linger=0)
-        self.out.close()
 
 
 @pytest.fixture
@@ -155,31 +89,18 @@ def test_train_restarts_a_killed_learner_and_broker_and_the_run_ends_well(start_
     roles = role_pids(t.proc.pid)
 
     os.kill(roles["learner"], signal.SIGKILL)
-    new: Optional[int] = None
-    deadline = time.monotonic() + 60
-    while new is None and time.monotonic() < deadline:
-        new = role_pids(t.proc.pid).get("learner")
-        new = None if new == roles["learner"] else new
-        time.sleep(0.2)
-    assert new is not None, "the learner was not restarted\n" + t.output()
+    wait_until(lambda: role_pids(t.proc.pid).get("learner") not in (None, roles["learner"]), 60,
+               "the learner to be restarted", interval=0.2, output=t.output)
     logs = t.run_dir / "logs"
-    deadline = time.monotonic() + 60
-    resumed: List[dict] = []
-    while not resumed and time.monotonic() < deadline:
-        resumed = [e for e in log_lines(logs / "learner.log") if e.get("event") == "resumed"]
-        time.sleep(0.2)
-    assert resumed and resumed[0]["version"] >= 3, "restarted with --resume from its checkpoint"
-    t.wait("learner", lambda r: (r.get("version") or 0) >= resumed[0]["version"] + 2)  # version continues
+    resumed = wait_event(logs / "learner.log", "resumed", 60, interval=0.2)
+    assert resumed["version"] >= 3, "restarted with --resume from its checkpoint"
+    t.wait("learner", lambda r: (r.get("version") or 0) >= resumed["version"] + 2)  # version continues
 
     b = t.wait("broker", lambda r: ((r.get("snapshot") or {}).get("written") or 0) >= 1)
     os.kill(role_pids(t.proc.pid)["broker"], signal.SIGKILL)
-    deadline = time.monotonic() + 60
-    restored: List[dict] = []
-    while not restored and time.monotonic() < deadline:
-        restored = [e for e in log_lines(logs / "broker.log") if e.get("event") == "restored snapshot"]
-        time.sleep(0.2)
-    assert restored, "the broker was not restarted on its snapshot\n" + t.output()
-    t.wait("broker", lambda r: r["inserted_segments"] >= restored[-1]["inserted"] + 2)
+    # the broker restarted on its snapshot
+    restored = wait_event(logs / "broker.log", "restored snapshot", 60, interval=0.2)
+    t.wait("broker", lambda r: r["inserted_segments"] >= restored["inserted"] + 2)
     v = t.client("learner").report()["version"]
     t.wait("learner", lambda r: r["version"] >= v + 1)
 
@@ -187,6 +108,6 @@ def test_train_restarts_a_killed_learner_and_broker_and_the_run_ends_well(start_
     assert code == 0, t.output()
     summary = json.loads((t.run_dir / "summary.json").read_text())
     assert summary["stop_reason"] == "time" and summary["restarts"]["learner"] == 1, summary
-    assert summary["restarts"]["broker"] == 1 and summary["version"] > resumed[0]["version"], summary
+    assert summary["restarts"]["broker"] == 1 and summary["version"] > resumed["version"], summary
     assert b["inserted_segments"] > 0
     assert nothing_left(t.run_dir)

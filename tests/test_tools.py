@@ -5,17 +5,14 @@ from __future__ import annotations
 import json
 import shutil
 import subprocess
-import sys
 from pathlib import Path
 
 import pytest
 import torch
 
-from test_e2e import FAST
+from support.procs import FAST, ZCLAW
 from zclaw.tools import plot as plot_mod
 from zclaw.tools.evaluate import load_policy
-
-ZCLAW = [sys.executable, "-m", "zclaw.cli"]
 
 
 @pytest.fixture(scope="module")
