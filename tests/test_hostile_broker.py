@@ -213,3 +213,69 @@ def test_an_oversize_flood_keeps_rss_within_its_bound(start_broker) -> None:
         flood.sock.close(linger=0)
     finally:
         ctx.destroy(linger=0)
+
+
+def test_a_fresh_auto_cap_broker_binds_ingest_again_with_the_adopted_specs_cap(start_broker) -> None:
+    """``network.max_message_mb = 0`` (auto) and no snapshot: ingest is bound before the spec is known
+    (2 x 256 MiB). Once a hello tells the spec it is bound again at ``2 x auto cap + 64 KiB``, so a
+    message over that is refused by libzmq at its size prefix (never read: not counted, RSS flat), one
+    between the caps is read and counted ``oversize``, and a worker that connected before (its hello and
+    segments streamed right behind each other) loses nothing and goes on after the attack."""
+    broker = start_broker("broker.capacity=64", "broker.max_reuse=1", "worker.segment_length=4")
+    ctx = zmq.Context()
+    try:
+        worker = Worker(ctx, broker.ingest_port, identity="w0-good")
+        rng = np.random.default_rng(5)
+        worker.hello()
+        for _ in range(5):  # no waiting for the spec: these are on the wire while ingest is bound again
+            worker.segment(seg_arrays(rng))
+        report = broker.wait_for(lambda r: r["inserted_segments"] >= 5, "5 segments behind the hello")
+        assert report["inserted_segments"] == 5 and not report["drops"], report["drops"]
+        cap = report["max_message_bytes"]
+        socket_cap = 2 * cap + (64 << 10)
+        assert cap < 16 * MIB, cap  # the auto cap of a 4-step segment of this spec (~4 MB)
+        assert "ingest bound again with the cap of the adopted env spec" in broker.output()
+        before = rss_mib(broker.proc.pid)
+        big = Worker(ctx, broker.ingest_port, identity="big")
+        big.send([b"\x00" * (socket_cap + 8 * MIB)])  # over the new socket cap, far under the old one
+        mid = Worker(ctx, broker.ingest_port, identity="mid")
+        mid.send([b"\x01" * (cap + 1)])  # over the cap, under the socket cap: read, counted
+        broker.wait_for(lambda r: r["drops"].get("oversize", 0) >= 1, "the message between the caps")
+        time.sleep(1.0)  # the big one had time to arrive, had it been let in
+        report = check_healthy(broker)
+        assert report["drops"].get("oversize", 0) == 1, "the big message was read: the socket cap is loose"
+        after = rss_mib(broker.proc.pid)
+        print(f"auto cap {cap} B, ingest socket cap {socket_cap} B; broker RSS {before:.0f} -> {after:.0f} "
+              "MiB")
+        assert after < before + 2 * cap / MIB + 8, "more memory than the one counted message explains"
+        good_flow(broker, worker, rng)  # the worker from before the new bind reconnected and flows
+        for s in (big, mid):
+            s.sock.close(linger=0)
+    finally:
+        ctx.destroy(linger=0)
+
+
+def test_the_serve_socket_refuses_a_2_mib_request_unread_and_goes_on_answering(live) -> None:
+    """The serve socket carries requests only: its MAXMSGSIZE is the wire's REQUEST_SOCKET_BYTES (256 KiB),
+    not the segment cap. A hello with 1 MiB identity and host (2 MiB) gets no answer (libzmq drops the
+    connection at its size prefix; nothing is read or counted); one under the socket cap but over any
+    request header is dropped before msgpack as ``oversize_header`` and answered ``error``; others are
+    served throughout."""
+    broker, worker, ctx, rng = live
+    drops = dict(broker.status()["drops"])
+    bad = ctx.socket(zmq.DEALER)
+    bad.setsockopt(zmq.LINGER, 0)
+    bad.connect(f"tcp://127.0.0.1:{broker.serve_port}")
+    try:
+        for k in range(3):
+            bad.send_multipart([b""] + hello("i" * MIB + str(k), host="h" * MIB))
+        assert not bad.poll(1500), "a 2 MiB request was read and answered: the serve socket's cap is loose"
+        report = check_healthy(broker)
+        assert report["drops"] == drops, "what libzmq refused is not read, so not counted"
+        reply = broker.request(hello("j" * 100_000))  # 100 kB: under the socket cap, over a request's header
+        assert reply.kind == "error", reply
+        report = check_healthy(broker)
+        assert report["drops"].get("oversize_header", 0) == drops.get("oversize_header", 0) + 1
+        good_flow(broker, worker, rng)
+    finally:
+        bad.close(linger=0)

@@ -139,3 +139,21 @@ def test_no_header_a_peer_sends_makes_the_broker_count_internal(kind: str, chang
     broker.on_ingest(frames)
     broker.on_request([b"id", b""] + frames)
     assert "internal" not in broker.drops.counts
+
+
+@given(st.binary(max_size=64), st.integers(0, 3))
+@settings(max_examples=300, deadline=None)
+def test_header_length_reads_no_more_than_was_received(blob: bytes, extra: int) -> None:
+    """``header_length`` (the broker's check before msgpack) reads a plain header's length, or a packed
+    frame's length prefix capped at the bytes after it, whatever the bytes are."""
+    from zclaw.wire.limits import header_length
+
+    frames = [blob] + [b"x"] * extra
+    n = header_length(frames)
+    if extra == 0 and len(blob) >= 4 and blob[0] == 0:
+        assert n == min(int.from_bytes(blob[:4], "big"), len(blob) - 4)
+    else:
+        assert n == len(blob)
+    assert header_length([]) == 0
+    good = make("status", report={"a": 1})
+    assert header_length(good) == len(good[0]) and header_length([pack(good)]) == len(good[0])

@@ -99,10 +99,11 @@ SCHEMA: Dict[str, Dict[str, Key]] = {
         "publish_port": Key(5557, "learner PUB port for weights", min=0, max=65535),
         "learner_port": Key(5558, "learner ROUTER port for snapshot (Clone) and status requests",
                             min=0, max=65535),
-        "max_message_mb": Key(0, "receive size cap on every socket, in MiB (ZMQ_MAXMSGSIZE); 0: auto (the "
-                              "broker's ingest cap is 2 x the largest legal segment of worker.envs x "
-                              "worker.segment_length once the env spec is known, at least 1 MiB; clients "
-                              "256 MiB; see docs/operations.md)", min=0),
+        "max_message_mb": Key(0, "receive size cap of the data sockets, in MiB (ZMQ_MAXMSGSIZE; the request "
+                              "sockets, broker serve and learner ROUTER, take 256 KiB whatever it says); 0: "
+                              "auto (the broker's ingest cap is 2 x the largest legal segment of "
+                              "worker.envs x worker.segment_length once the env spec is known, at least "
+                              "1 MiB; clients 256 MiB; see docs/operations.md)", min=0),
         "request_timeout_ms": Key(3000, "Lazy Pirate: wait this long for a reply before reconnecting",
                                   min=10),
         "bind_host": Key("", "address servers bind (empty: the host they are reached at)"),

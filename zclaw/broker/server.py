@@ -28,8 +28,10 @@ the broker itself drops and counts as ``oversize`` any message whose frames tota
 ``network.max_message_mb``. Between the two caps a peer is counted and stays connected; above the
 socket cap (per frame, as libzmq checks it) it is disconnected by libzmq, uncounted. With
 ``max_message_mb = 0`` (auto) the per-message cap follows the env spec once it is known
-(:func:`auto_cap_bytes`); the socket cap is fixed at bind (libzmq copies it into the listener), so it is
-tight only when the cap is explicit or a restored snapshot told the spec (``docs/operations.md``).
+(:func:`auto_cap_bytes`), and so does the ingest socket's: see :class:`IngestSocket` (libzmq copies the
+option into its listener at bind, so the socket is bound again when the spec is adopted). The serve
+socket carries requests only, so its cap is the wire's :data:`~zclaw.wire.limits.REQUEST_SOCKET_BYTES`
+(256 KiB) whatever the segment cap: a 2 MiB hello there is refused at its size prefix, unread.
 """
 from __future__ import annotations
 
@@ -38,7 +40,7 @@ import signal
 import socket
 import threading
 import time
-from collections import Counter, OrderedDict
+from collections import Counter, OrderedDict, deque
 from pathlib import Path
 from typing import Any, Dict, List, Optional, Sequence, Tuple
 
@@ -49,12 +51,13 @@ from ..stopping import install_stop_signals
 from .. import __version__
 from ..telemetry import EpisodeWindow, RateMeter, ResourceMeter, resources_from_wire
 from ..tokens import TokenBucket
-from ..wire.limits import MAX_BATCH_SEGMENTS, MAX_REPORT_WORKERS
+from ..wire.limits import (INGEST_HEADER_BYTES, MAX_BATCH_SEGMENTS, MAX_REPORT_WORKERS,
+                           MAX_REQUEST_HEADER_BYTES, REQUEST_SOCKET_BYTES, header_length)
 from ..wire.messages import EnvSpec, make, max_segment_bytes, parse
 from ..wire.protocol import MAX_HEADER_BYTES, PROTOCOL_VERSION, Frame, Message, WireError
 from ..config import ConfigError
 from ..security import Security
-from ..wire.sockets import (DEFAULT_MAX_MESSAGE_BYTES, DropCounter, bind, make_socket, recv_frames,
+from ..wire.sockets import (DEFAULT_MAX_MESSAGE_BYTES, DropCounter, bind, make_socket, rebind, recv_frames,
                             term_context)
 from .ratelimit import SampleToInsertRatio
 from . import snapshot
@@ -85,6 +88,110 @@ def auto_cap_bytes(spec: EnvSpec, envs: int, segment_length: int) -> int:
     """The broker's ingest cap for ``network.max_message_mb = 0``: see :data:`AUTO_HEADROOM`."""
     envs = max(int(envs), AUTO_MIN_ENVS)
     return max(AUTO_MIN_BYTES, AUTO_HEADROOM * max_segment_bytes(spec, int(segment_length), envs))
+
+
+def socket_cap_bytes(max_bytes: int) -> int:
+    """The ingest socket's ``MAXMSGSIZE`` for a per-message cap of ``max_bytes`` (see the module doc)."""
+    return 2 * int(max_bytes) + SOCKET_CAP_SLACK
+
+
+#: before :class:`IngestSocket` binds again it reads what is arriving until nothing came for this long ...
+TIGHTEN_QUIET_S = 0.02
+#: ... or for this long at most (a peer streaming without pause cannot hold the loop)
+TIGHTEN_DRAIN_S = 0.25
+
+
+class IngestSocket:
+    """The ingest PULL socket, whose ``MAXMSGSIZE`` follows the broker's per-message cap, and the messages
+    read ahead of the loop (:attr:`pending`).
+
+    Why it is bound again. libzmq copies ``MAXMSGSIZE`` into the listener at bind, and a fresh broker with
+    ``network.max_message_mb = 0`` (auto) binds before it knows the env spec, so with 2 x 256 MiB: six
+    400 MB messages were then read whole and only afterwards counted ``oversize``, ~0.4 cores of copying
+    that a 2-core run paid for with 0.43-0.66x of its updates (bench/hostile.py). When the spec is adopted,
+    :meth:`follow` binds again with ``2 x auto cap + 64 KiB`` (Reacher: ~122 MB), and libzmq refuses
+    anything larger at its size prefix.
+
+    Why then and why this way. Binding again closes the connections the old listener accepted (libzmq
+    has no other way to change the option), and bytes on the wire at that moment are lost
+    (:func:`zclaw.wire.sockets.rebind`). The spec is adopted on the first worker ``hello`` (or restored
+    from a snapshot, before the first bind: then nothing is bound twice), which is the one moment no
+    segment can be lost: a segment before the spec is dropped as ``no_spec`` anyway, and a worker sends
+    segments only after the ``welcome`` to its handshake, which goes out after the new bind (the serve
+    branch of the loop calls :meth:`follow` before it sends the reply). A peer that says ``hello`` on
+    ingest and streams segments behind it without waiting (as test stand-ins do) is covered too: the
+    socket is first read until it has been quiet for :data:`TIGHTEN_QUIET_S`, and what is still queued
+    after the unbind is read as well; only a peer that pauses longer and then writes just as the old
+    connection goes can lose that message. Workers reconnect by themselves within ~100 ms (ZeroMQ), and
+    what they send meanwhile waits in their queues. Binding ingest only once the spec is known was the
+    alternative: it would leave a broker fed by ingest hellos alone (tools, old workers) with no spec
+    ever, and a snapshot-less restart without ingest until a worker's handshake.
+
+    Messages read while the loop could not take them (``broker.when_full = "wait"`` with a full store)
+    wait in :attr:`pending`, in order, ahead of the socket: bounded by what the socket's queues held.
+    """
+
+    def __init__(self, sock: zmq.Socket, cap: int) -> None:
+        self.sock = sock
+        self.cap = int(cap)  # the MAXMSGSIZE the current listener has
+        self.endpoint: Optional[str] = None  # set once bound
+        self.pending: "deque[List[Frame]]" = deque()
+        self.rebinds = 0
+        self.lost: Optional[str] = None  # why ingest could not be bound again (then the broker stops)
+
+    def bound(self) -> None:
+        self.endpoint = self.sock.getsockopt(zmq.LAST_ENDPOINT).decode()
+
+    def next(self) -> Optional[List[Frame]]:
+        """The next message: a pending one first, then the socket's (None: nothing waiting)."""
+        if self.pending:
+            return self.pending.popleft()
+        try:
+            return recv_frames(self.sock, zmq.NOBLOCK)
+        except zmq.Again:
+            return None
+
+    def follow(self, broker: "Broker") -> bool:
+        """Bind again if the broker's cap moved since the last bind (see the class doc); True if it did."""
+        want = socket_cap_bytes(broker.max_bytes)
+        if want == self.cap or self.endpoint is None:
+            return False
+
+        def take(frames: List[Frame]) -> None:
+            if not self.pending and broker.accepting():
+                broker.on_ingest(frames)
+            else:
+                self.pending.append(frames)
+
+        t0 = time.monotonic()
+        quiet = t0 + TIGHTEN_QUIET_S
+        deadline = t0 + TIGHTEN_DRAIN_S
+        while True:  # read dry, until nothing came for TIGHTEN_QUIET_S
+            end = min(quiet, deadline)
+            now = time.monotonic()
+            if now >= end:
+                break
+            if not self.sock.poll(max(1, int((end - now) * 1000)), zmq.POLLIN):
+                continue
+            try:
+                frames = recv_frames(self.sock, zmq.NOBLOCK)
+            except zmq.Again:
+                continue
+            take(frames)
+            quiet = time.monotonic() + TIGHTEN_QUIET_S
+        try:
+            late = rebind(self.sock, self.endpoint, want, take)
+        except zmq.ZMQError as exc:  # the port was taken in the millisecond it was free: stop, exit 1
+            self.lost = f"cannot bind ingest again on {self.endpoint}: {exc}"
+            broker.log.error("cannot bind ingest again; stopping", endpoint=self.endpoint, error=str(exc))
+            return False
+        self.cap = want
+        self.rebinds += 1
+        broker.log.info("ingest bound again with the cap of the adopted env spec", socket_cap_bytes=want,
+                        max_message_bytes=broker.max_bytes, read_before_bind_ms=round(
+                            (time.monotonic() - t0) * 1000, 1), read_during_bind=late,
+                        pending=len(self.pending))
+        return True
 
 
 class LoopClock:
@@ -199,6 +306,9 @@ class Broker:
             if size > self.max_bytes:
                 self.drops.drop("oversize", f"{size} bytes > {self.max_bytes}")
                 return
+            head = header_length(frames)
+            if head > INGEST_HEADER_BYTES:  # before msgpack reads a byte of it (1,100 1-MiB hellos)
+                raise WireError("oversize_header", f"header of {head} bytes > {INGEST_HEADER_BYTES}")
             msg = parse(frames, ("hello", "segment"))
             if msg.kind == "hello":
                 self._on_hello(msg)
@@ -262,7 +372,7 @@ class Broker:
             max_abs_reward=float(self.cfg["worker"]["max_abs_reward"]),
         )
         self.spec = spec
-        if self.auto_cap:
+        if self.auto_cap:  # the ingest socket's MAXMSGSIZE follows in the loop (IngestSocket.follow)
             w = self.cfg["worker"]
             self.max_bytes = auto_cap_bytes(spec, w["envs"], w["segment_length"])
         self.log.info("adopted env spec", spec=spec.to_dict(), spec_hash=spec.hash, source=identity)
@@ -325,6 +435,10 @@ class Broker:
             size = sum(len(f) for f in body)
             if size > self.max_bytes:
                 raise WireError("oversize", f"{size} bytes > {self.max_bytes}")
+            head = header_length(body)
+            if head > MAX_REQUEST_HEADER_BYTES:  # under the socket's cap, over any request: before msgpack
+                raise WireError("oversize_header", f"request header of {head} bytes > "
+                                f"{MAX_REQUEST_HEADER_BYTES}")
             msg = parse(body, ("sample", "status", "hello"))
             if msg.kind == "hello":
                 reply = self._on_hello_request(msg)
@@ -530,6 +644,8 @@ class Broker:
             n = self.store.restore(arrays, meta["store"])
         except (ValueError, KeyError, TypeError, IndexError) as exc:
             self.store, self.spec = None, None
+            if self.auto_cap:  # the cap of a spec not adopted after all: back to the bound before any spec
+                self.max_bytes = DEFAULT_MAX_MESSAGE_BYTES
             raise ValueError(str(exc)) from None
         b = meta.get("broker") or {}
         self.episodes.restore(b)
@@ -612,17 +728,19 @@ def main(
     else:
         log.info("store snapshots off: no --run-dir")
     broker.snapshots = snaps
-    # libzmq copies a socket's options into its listener at bind: this cap holds for every connection,
-    # so it is fixed now. With max_message_mb = 0 it is tight only if the restored snapshot told the env
-    # spec; otherwise the per-message check below it tightens once the spec is known (docs/operations.md)
-    socket_cap = 2 * broker.max_bytes + SOCKET_CAP_SLACK
+    # libzmq copies a socket's options into its listener at bind: ingest gets the cap known now (tight when
+    # it is explicit or a restored snapshot told the env spec) and is bound again when a spec is adopted
+    # (IngestSocket); serve takes requests only, capped by the wire's limits whatever the segment cap
+    socket_cap = socket_cap_bytes(broker.max_bytes)
     ctx = zmq.Context()
     ingest = make_socket(ctx, zmq.PULL, max_message_bytes=socket_cap, curve=sec.server())
-    serve = make_socket(ctx, zmq.ROUTER, max_message_bytes=socket_cap, curve=sec.server())
+    serve = make_socket(ctx, zmq.ROUTER, max_message_bytes=REQUEST_SOCKET_BYTES, curve=sec.server())
+    feed = IngestSocket(ingest, socket_cap)
     try:
         try:
             ingest_port = bind(ingest, host, net["ingest_port"])
             serve_port = bind(serve, host, net["serve_port"])
+            feed.bound()
         except zmq.ZMQError as exc:
             log.error("cannot bind", host=host, error=str(exc))
             return 1
@@ -636,6 +754,7 @@ def main(
             max_message_mb=net["max_message_mb"],
             max_message_bytes=broker.max_bytes,
             socket_cap_bytes=socket_cap,
+            serve_cap_bytes=REQUEST_SOCKET_BYTES,
             zclaw=__version__,
             **sec.summary(),
         )
@@ -645,11 +764,11 @@ def main(
         status_s = float(cfg["log"]["status_s"])
         next_status = time.monotonic() + status_s
         reading = True
-        while not stop.is_set():
+        while not stop.is_set() and feed.lost is None:
             if broker.accepting() != reading:  # broker.when_full = "wait": pause or resume ingest
                 reading = not reading
                 poller.modify(ingest, zmq.POLLIN if reading else 0)
-            events = dict(poller.poll(POLL_MS))
+            events = dict(poller.poll(0 if feed.pending and reading else POLL_MS))
             if events.get(serve):
                 while True:
                     try:
@@ -661,6 +780,7 @@ def main(
                     except Exception as exc:  # on_request catches its own; this is the last line
                         broker.handler_failed("request", exc)
                         continue
+                    feed.follow(broker)  # a hello adopted the spec: ingest's new cap before the welcome goes
                     if reply is not None:
                         try:
                             # copy=True: received frames forwarded as parts still go by reference count
@@ -674,13 +794,13 @@ def main(
                             broker.drops.drop("reply_failed", str(exc))
                         except Exception as exc:
                             broker.handler_failed("reply", exc)
-            if events.get(ingest):
+            if events.get(ingest) or (feed.pending and reading):
                 for _ in range(INGEST_BURST):
-                    try:
-                        frames = recv_frames(ingest, zmq.NOBLOCK)
-                    except zmq.Again:
+                    frames = feed.next()
+                    if frames is None:
                         break
                     broker.on_ingest(frames)
+                    feed.follow(broker)
                     # a waiting request goes first (a learner idle for a whole burst is the costlier wait),
                     # and a full store stops the burst when broker.when_full = "wait"
                     if serve.getsockopt(zmq.EVENTS) & zmq.POLLIN or not broker.accepting():
@@ -701,7 +821,7 @@ def main(
             log.info("final snapshot", path=str(snaps.path), outcome=outcome,
                      segments=broker.store.fill if broker.store is not None else 0,
                      inserted=broker.store.inserted if broker.store is not None else 0)
-        return 0
+        return 0 if feed.lost is None else 1
     finally:
         ingest.close(linger=0)
         serve.close(linger=0)

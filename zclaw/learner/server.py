@@ -25,6 +25,7 @@ the run directory holds the final report (``zclaw train`` reads it).
 """
 from __future__ import annotations
 
+import heapq
 import json
 import math
 import os
@@ -50,6 +51,7 @@ from ..policy.weights import policy_config, weights_message
 from ..wire import (
     CreditPirate, DropCounter, EnvSpec, LazyPirate, Message, WireError, bind, make, make_socket, parse, tcp,
 )
+from ..wire.limits import REQUEST_SOCKET_BYTES
 from ..wire.messages import batch_dims
 from ..wire.sockets import CurveServer, term_context
 from ..telemetry import EpisodeWindow, RateMeter, ResourceMeter, cuda_index, resource_scalars
@@ -75,6 +77,22 @@ MAX_CLIENTS = 4096
 MAX_ANSWERS_PER_S = 2000.0
 #: when that budget is spent the thread sleeps at least this long (one futex wait buys ~20 answers, not one)
 PACE_SLEEP_S = 0.01
+#: a request over its client's token bucket is answered ``retry`` when that client's turn would come (its next
+#: token, and one token interval after the previous one held for it), held by the loop meanwhile, but at most
+#: this long: under any client's timeout (a worker's snapshot request waits 1 s). Why: answered at once, a
+#: client that pipelines requests gets as many ``retry`` answers as the loop's pace allows (2,000/s), each
+#: costing both sides CPU, and it kept the pace spent, so the loop slept (PACE_SLEEP_S) while a joining
+#: worker's snapshot request waited: joins took 1.43-1.79x their idle time beside such a flood
+#: (bench/hostile.py). Held, a client with k requests in flight gets about k / RETRY_HOLD_S answers per
+#: second (32 in flight: ~130/s), the pace is not spent, and others' requests are read as they come.
+RETRY_HOLD_S = 0.25
+#: requests held at once, all clients together (an envelope each, a few dozen bytes); beyond it the ``retry``
+#: goes at once, as it did before requests were held
+MAX_HELD = 1024
+#: held answers sent per loop turn at most, between two reads of the socket: a peer's send queue holds 64
+#: (HWM) and libzmq learns what its I/O thread drained only every ~1 ms, so a burst to one peer fills it; the
+#: socket has ROUTER_MANDATORY, so a full queue is told (EAGAIN) and that answer goes again 2 ms later
+RELEASE_BURST = 16
 
 
 def loop_report(last_answer: Optional[float], answered: int, errors: int) -> Dict[str, Any]:
@@ -107,7 +125,10 @@ class _Service(threading.Thread):
     ``zmq.Frame`` per published version, so a snapshot costs the send and nothing else. The loop as a
     whole handles at most ``answer_rate`` requests per second (:data:`MAX_ANSWERS_PER_S`): what a flood
     costs the learner's CPU is bounded whatever the number of identities, and ROUTER's fair queueing keeps
-    other clients' requests from waiting behind it.
+    other clients' requests from waiting behind it. A ``retry`` is sent when the client's turn would come,
+    not at once (:data:`RETRY_HOLD_S`): a client pipelining requests then paces itself, and the loop's
+    pace stays unspent for everyone else. The socket's ``MAXMSGSIZE`` is the wire's
+    :data:`~zclaw.wire.limits.REQUEST_SOCKET_BYTES` (snapshot and status requests are a few bytes).
     """
 
     def __init__(
@@ -140,9 +161,17 @@ class _Service(threading.Thread):
         self._error_logged = -ERROR_LOG_S
         self._frame: Optional[zmq.Frame] = None  # the snapshot answer of ...
         self._frame_of: Optional[bytes] = None  # ... this weights message
+        #: requests over their client's bucket, answered ``retry`` at their time: (due, seq, client, envelope,
+        #: the time after which a peer whose queue stays full loses it)
+        self._held: List[Any] = []
+        self._held_seq = 0
+        self._last_due: Dict[bytes, float] = {}  # per client, the due time of its latest held request
+        self.held_max = 0  # the most held at once (a figure for tests and the bench)
 
     def run(self) -> None:
-        sock = make_socket(self.ctx, zmq.ROUTER, max_message_bytes=self.max_bytes, curve=self.curve)
+        cap = min(self.max_bytes, REQUEST_SOCKET_BYTES) if self.max_bytes > 0 else REQUEST_SOCKET_BYTES
+        sock = make_socket(self.ctx, zmq.ROUTER, max_message_bytes=cap, curve=self.curve)
+        sock.setsockopt(zmq.ROUTER_MANDATORY, 1)  # a full peer queue is told (EAGAIN), not dropped unseen
         try:
             self.bound_port = bind(sock, self.host, self.port)
         except zmq.ZMQError as exc:
@@ -154,7 +183,7 @@ class _Service(threading.Thread):
         try:
             while not self.stop.is_set():
                 try:
-                    if not sock.poll(100, zmq.POLLIN):
+                    if not sock.poll(self._release_due(sock), zmq.POLLIN):
                         continue
                     wait = self.pace.take(b"", time.monotonic())
                     if wait is not None:  # the loop's budget is spent: requests wait in ZeroMQ's queue
@@ -179,15 +208,81 @@ class _Service(threading.Thread):
             self.drops.drop("no_envelope")
             return
         envelope, body = frames[: cut + 1], frames[cut + 1 :]
+        client = b"".join(envelope[:-1])
+        now = time.monotonic()
+        wait = self.bucket.take(client, now)
+        if wait is not None:  # over its token bucket: "ask again later", before any parsing, at its turn
+            self.drops.drop("rate_limited", f"client {client.hex()[:16]}")
+            if self._hold(client, envelope, wait, now):
+                return
+            answer = self._retry(wait)
+        else:
+            try:
+                answer = self._answer(client, body)
+            except Exception as exc:  # a bug or an input nobody foresaw: this request only, never the loop
+                self._failed("handler_error", exc)
+                answer = make("error", reason="the learner could not handle this request (counted as "
+                                              "handler_error)")
+        if not self._send(sock, envelope + answer):  # as a ROUTER without ROUTER_MANDATORY would, counted
+            self.drops.drop("reply_dropped", "the client's queue is full: it does not read its answers")
+
+    def _send(self, sock: zmq.Socket, frames: List[Any]) -> bool:
+        """Send one answer without blocking; False if the peer's queue is full (it is not reading: the
+        socket has ``ROUTER_MANDATORY``, so libzmq says so instead of dropping it unseen). An answer to a
+        peer that is gone is dropped (counted as ``peer_gone``)."""
         try:
-            answer = self._answer(b"".join(envelope[:-1]), body)
-        except Exception as exc:  # a bug or an input nobody foresaw: this request only, never the loop
-            self._failed("handler_error", exc)
-            answer = make("error", reason="the learner could not handle this request (counted as "
-                                          "handler_error)")
-        sock.send_multipart(envelope + answer, copy=False)
+            sock.send_multipart(frames, zmq.NOBLOCK, copy=False)
+        except zmq.Again:
+            return False
+        except zmq.ZMQError as exc:
+            if exc.errno != zmq.EHOSTUNREACH:
+                raise
+            self.drops.drop("peer_gone", "answer to a client that disconnected")
+            return True
         self.answered += 1
         self.last_answer = time.time()
+        return True
+
+    @staticmethod
+    def _retry(wait: float) -> List[Any]:
+        return make("retry", reason="rate_limited", retry_ms=max(1, int(math.ceil(wait * 1000))))
+
+    def _hold(self, client: bytes, envelope: List[Any], wait: float, now: float) -> bool:
+        """Keep a request over its client's bucket, to be answered ``retry`` at its turn (the client's next
+        token, and one token interval after its previous held request; at most RETRY_HOLD_S from now);
+        False when MAX_HELD are held already (then it is answered at once)."""
+        if len(self._held) >= MAX_HELD:
+            return False
+        turn = max(now + wait, self._last_due.get(client, 0.0) + 1.0 / self.bucket.rate)
+        due = min(now + RETRY_HOLD_S, turn)
+        if len(self._last_due) >= MAX_CLIENTS:  # only clients with a request still held need remembering
+            self._last_due = {k: v for k, v in self._last_due.items() if v > now}
+        self._last_due[client] = due
+        heapq.heappush(self._held, (due, self._held_seq, client, envelope, due + RETRY_HOLD_S))
+        self._held_seq += 1
+        self.held_max = max(self.held_max, len(self._held))
+        return True
+
+    def _release_due(self, sock: zmq.Socket) -> int:
+        """Answer ``retry`` to held requests whose time has come (at most RELEASE_BURST); the poll timeout in
+        ms until the next one is due (100 with none held)."""
+        now = time.monotonic()
+        for _ in range(RELEASE_BURST):
+            if not self._held or self._held[0][0] > now:
+                break
+            due, seq, client, envelope, until = self._held[0]
+            tokens = self.bucket.tokens(client, now)  # the wait it names is from now, for its next token
+            if self._send(sock, envelope + self._retry(max(0.0, (1.0 - tokens) / self.bucket.rate))):
+                heapq.heappop(self._held)
+            elif now >= until:  # a client that does not read its answers: dropped, as ROUTER would
+                heapq.heappop(self._held)
+                self.drops.drop("reply_dropped", "the client's queue is full: it does not read its answers")
+            else:  # its queue is full (libzmq's I/O thread lags a burst): again in 2 ms, the others first
+                heapq.heapreplace(self._held, (now + 0.002, seq, client, envelope, until))
+                break
+        if not self._held:
+            return 100
+        return max(0, min(100, int(math.ceil((self._held[0][0] - now) * 1000))))
 
     def _failed(self, cause: str, exc: BaseException) -> None:
         """Count a request whose handling raised; its traceback is logged at most once per ERROR_LOG_S."""
@@ -205,10 +300,7 @@ class _Service(threading.Thread):
                                        paced=self.paced)}
 
     def _answer(self, client: bytes, body: List[bytes]) -> List[Any]:
-        wait = self.bucket.take(client, time.monotonic())
-        if wait is not None:  # over its token bucket: a cheap "ask again later", before any parsing
-            self.drops.drop("rate_limited", f"client {client.hex()[:16]}")
-            return make("retry", reason="rate_limited", retry_ms=max(1, int(math.ceil(wait * 1000))))
+        """The answer to one request whose client was within its bucket (:meth:`_serve_one` checked)."""
         try:
             msg = parse(body, ("snapshot", "status"))
         except WireError as exc:

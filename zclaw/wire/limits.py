@@ -13,7 +13,7 @@ decoder's ``MAX_HEADER_BYTES`` (asserted below).
 """
 from __future__ import annotations
 
-from typing import Dict
+from typing import Any, Dict, Sequence
 
 from .protocol import MAX_HEADER_BYTES
 
@@ -62,3 +62,34 @@ MAX_REPORT_WORKERS = 64
 
 assert MAX_BATCH_SEGMENTS * (MAX_SEGMENT_HEADER_BYTES + BATCH_KEY_BYTES) + BATCH_HEADER_OVERHEAD \
     <= MAX_HEADER_BYTES, "a full batch header must fit the decoder's header cap"
+
+#: kinds a request socket (the broker's serve ROUTER, the learner's ROUTER) answers: each is one header
+#: frame and no arrays (hello, sample with its priority lists, status, snapshot)
+REQUEST_KINDS = ("hello", "sample", "status", "snapshot")
+#: the largest request header the wire allows (hello and sample: 64 KiB; a status request carries no
+#: report, so its kind's cap, sized for the reply, does not apply to requests)
+MAX_REQUEST_HEADER_BYTES = max(KIND_HEADER_BYTES[k] for k in ("hello", "sample", "snapshot"))
+#: ``ZMQ_MAXMSGSIZE`` of the request sockets (libzmq checks it per frame, at the frame's size prefix, and
+#: drops the connection of a peer that announces a larger one: nothing of it is read, and it is not
+#: counted, since libzmq reports no cause). Why not the segment cap: these sockets never carry a
+#: segment, and a 1 MiB-identity hello (two froze a run, 1,100 cost 0.64x of updates) would otherwise be
+#: received whole before being dropped. 4x the largest legal request, so that a field added later does
+#: not need this changed in lockstep; a request past it but under it is dropped by the decoder, counted.
+REQUEST_SOCKET_BYTES = 4 * MAX_REQUEST_HEADER_BYTES
+#: the largest header the broker's ingest takes (hello, segment): a header over it is dropped, counted as
+#: ``oversize_header``, before msgpack reads a byte of it (the decoder itself would read up to
+#: MAX_HEADER_BYTES before its per-kind check)
+INGEST_HEADER_BYTES = max(KIND_HEADER_BYTES["hello"], KIND_HEADER_BYTES["segment"])
+
+
+def header_length(frames: Sequence[Any]) -> int:
+    """Bytes of a message's header, read without decoding anything: the first frame's length, or for the
+    packed single-frame form (a zero first byte) its big-endian length prefix, at most the bytes that
+    follow it (a prefix claiming more is the decoder's ``malformed``); 0 for no frames. Cheap enough to
+    run on every message before :func:`zclaw.wire.messages.parse`."""
+    if not frames:
+        return 0
+    buf = memoryview(frames[0].buffer if hasattr(frames[0], "buffer") else frames[0]).cast("B")
+    if len(frames) == 1 and len(buf) >= 4 and buf[0] == 0:
+        return min(int.from_bytes(buf[:4], "big"), len(buf) - 4)
+    return len(buf)

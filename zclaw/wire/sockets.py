@@ -187,6 +187,65 @@ def bind(sock: zmq.Socket, host: str, port: int) -> int:
     return port
 
 
+#: how long :func:`rebind` keeps reading the socket after the bind, so that the connections the old listener
+#: accepted are closed (their peers see it and reconnect) before the caller answers anyone: measured, a peer
+#: sees the close ~2 ms after the unbind once the socket's queue from it is read, and not at all (it goes
+#: on writing into the dead connection, and those bytes are lost) while that queue holds messages
+REBIND_SETTLE_S = 0.01
+
+
+def rebind(
+    sock: zmq.Socket, endpoint: str, max_message_bytes: int, on_message: Callable[[List[zmq.Frame]], None],
+    timeout_s: float = 5.0,
+) -> int:
+    """Bind ``sock`` again on ``endpoint`` (its ``LAST_ENDPOINT``) with a new ``MAXMSGSIZE``; return how many
+    messages were handed to ``on_message`` meanwhile.
+
+    Why: libzmq copies a socket's options into its listener at bind, so ``MAXMSGSIZE`` set later holds for
+    no connection, old or new; a new listener is the only way to change it. What it costs (measured,
+    libzmq 4.3): unbinding closes every connection that listener accepted. Messages already in the socket's
+    queues stay readable, but a connection closes only once its queue is read, so this reads them (to
+    ``on_message``, in order) until the bind is done and :data:`REBIND_SETTLE_S` more. Peers reconnect by
+    themselves (``ZMQ_RECONNECT_IVL``, 100 ms) and what they send meanwhile waits in their own queues;
+    only bytes on the wire at that moment (TCP buffers, a message libzmq was decoding, anything a peer
+    writes before it sees the close) are lost. Read the socket dry first, and choose a moment when no peer
+    has reason to be sending (see ``zclaw.broker.server``).
+
+    libzmq closes the old listener asynchronously, so the bind is retried while the port is still held
+    (about a millisecond); ``zmq.ZMQError`` after ``timeout_s``.
+    """
+    read = 0
+
+    def read_queued() -> None:
+        nonlocal read
+        while True:
+            try:
+                frames = recv_frames(sock, zmq.NOBLOCK)
+            except zmq.Again:
+                return
+            read += 1
+            on_message(frames)
+
+    sock.setsockopt(zmq.MAXMSGSIZE, int(max_message_bytes))
+    sock.unbind(endpoint)
+    deadline = time.monotonic() + timeout_s
+    while True:
+        read_queued()  # also processes the socket's commands: the old listener's end among them
+        try:
+            sock.bind(endpoint)
+            break
+        except zmq.ZMQError as exc:
+            if exc.errno != zmq.EADDRINUSE or time.monotonic() >= deadline:
+                raise
+            time.sleep(0.001)
+    settle = time.monotonic() + REBIND_SETTLE_S
+    while time.monotonic() < settle:
+        read_queued()
+        time.sleep(0.001)
+    read_queued()
+    return read
+
+
 class DropCounter:
     """Counts dropped messages by cause and logs at most once per ``interval_s`` (no log floods)."""
 
