@@ -66,10 +66,3 @@ class StopSignals:
 
     def __exit__(self, *exc: Any) -> None:
         self.restore()
-
-
-def install_stop_signals(stop: threading.Event) -> Dict[int, Any]:
-    """SIGINT and SIGTERM set ``stop``; return the previous handlers so the caller can restore them (the
-    roles' mains now use :func:`zclaw.startup.run_role`, which restores them itself)."""
-    signals = StopSignals(stop).install()
-    return dict(signals._previous)

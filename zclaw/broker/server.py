@@ -36,7 +36,6 @@ socket carries requests only, so its cap is the wire's :data:`~zclaw.wire.limits
 from __future__ import annotations
 
 import os
-import signal
 import socket
 import threading
 import time
@@ -46,8 +45,6 @@ from typing import Any, Dict, List, Optional, Sequence, Tuple
 
 import zmq
 
-from ..stopping import install_stop_signals
-
 from .. import __version__
 from ..telemetry import EpisodeWindow, RateMeter, ResourceMeter, resources_from_wire
 from ..tokens import TokenBucket
@@ -55,8 +52,8 @@ from ..wire.limits import (INGEST_HEADER_BYTES, MAX_BATCH_SEGMENTS, MAX_REPORT_W
                            MAX_REQUEST_HEADER_BYTES, REQUEST_SOCKET_BYTES, header_length)
 from ..wire.messages import EnvSpec, make, max_segment_bytes, parse
 from ..wire.protocol import MAX_HEADER_BYTES, PROTOCOL_VERSION, Frame, Message, WireError
-from ..config import ConfigError
-from ..security import Security
+from .. import startup
+from ..stopping import EXIT_FAILED, EXIT_OK
 from ..wire.sockets import (DEFAULT_MAX_MESSAGE_BYTES, DropCounter, bind, make_socket, rebind, recv_frames,
                             term_context)
 from .ratelimit import SampleToInsertRatio
@@ -694,27 +691,28 @@ def main(
     stop: Optional[threading.Event] = None,
     restore: bool = True,
 ) -> int:
-    """Run the broker until SIGINT/SIGTERM (or ``stop`` is set); return the exit code.
+    """Run the broker until SIGINT/SIGTERM (or ``stop`` is set); return the exit code (zclaw/stopping.py):
+    0 on a clean stop, 1 when a port cannot be bound, 2 when it cannot start as configured.
 
     With ``run_dir`` the store is restored from ``run_dir/snapshots/store.npz`` at start, snapshotted
     every ``broker.snapshot_s`` seconds without pausing ingest, and once more on the way out;
     ``restore=False`` (``--fresh``) starts empty instead, and the next snapshot replaces the old one.
     """
-    stop = stop if stop is not None else threading.Event()
-    old_handlers = install_stop_signals(stop)
+    return startup.run_role(log, lambda stop: _serve(cfg, log, run_dir, stop, restore), stop)
+
+
+def _serve(
+    cfg: Dict[str, Dict[str, Any]], log: Any, run_dir: Optional[Path], stop: threading.Event, restore: bool
+) -> int:
+    """:func:`main`'s body, run with the stop signals installed (zclaw/startup.py)."""
     net = cfg["network"]
     host = net["bind_host"] or net["broker_host"]
-    try:  # CURVE keys (docs/multihost.md); no unprotected bind beyond loopback
-        sec = Security.from_config(cfg, "broker", log=log)
-        sec.check_bind(host)
-    except ConfigError as exc:
-        log.error("refusing to start", error=str(exc))
-        return 2
+    # CURVE keys (docs/multihost.md); no unprotected bind beyond loopback
+    sec = startup.security(cfg, "broker", log, bind_host=host)
     try:
         broker = Broker(cfg, log)
     except ValueError as exc:
-        log.error("bad broker configuration", error=str(exc))
-        return 2
+        raise startup.CannotStart("bad broker configuration", error=str(exc)) from None
     snaps: Optional[snapshot.Snapshotter] = None
     if run_dir is not None:
         path = snapshot.snapshot_path(run_dir)
@@ -743,7 +741,7 @@ def main(
             feed.bound()
         except zmq.ZMQError as exc:
             log.error("cannot bind", host=host, error=str(exc))
-            return 1
+            return EXIT_FAILED
         log.info(
             "broker listening",
             host=host,
@@ -821,10 +819,8 @@ def main(
             log.info("final snapshot", path=str(snaps.path), outcome=outcome,
                      segments=broker.store.fill if broker.store is not None else 0,
                      inserted=broker.store.inserted if broker.store is not None else 0)
-        return 0 if feed.lost is None else 1
+        return EXIT_OK if feed.lost is None else EXIT_FAILED
     finally:
         ingest.close(linger=0)
         serve.close(linger=0)
         term_context(ctx)
-        for sig, handler in old_handlers.items():
-            signal.signal(sig, handler)

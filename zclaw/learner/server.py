@@ -30,7 +30,6 @@ import json
 import math
 import os
 import random
-import signal
 import socket
 import threading
 import time
@@ -41,8 +40,6 @@ from typing import Any, Dict, List, Optional
 import numpy as np
 import torch
 import zmq
-
-from ..stopping import EXIT_REFUSED, install_stop_signals
 
 from .. import __version__, logs
 from ..fileio import atomic_write, finite_json
@@ -56,8 +53,8 @@ from ..wire.messages import batch_dims
 from ..wire.sockets import CurveServer, term_context
 from ..telemetry import EpisodeWindow, RateMeter, ResourceMeter, cuda_index, resource_scalars
 from ..tokens import TokenBucket
-from ..config import ConfigError
-from ..security import Security
+from .. import startup
+from ..stopping import EXIT_CANNOT_START, EXIT_FAILED, EXIT_OK, EXIT_REFUSED
 from . import checkpoint as ckpt
 from .trainer import Trainer
 
@@ -337,9 +334,9 @@ class Learner:
         self.cfg, self.log, self.run_dir, self.stop = cfg, log, Path(run_dir), stop
         self.lcfg = cfg["learner"]
         self.net = cfg["network"]
-        # CURVE keys and the loopback rule first: raises ConfigError before any socket exists
-        self.security = Security.from_config(cfg, "learner", log=log)
-        self.security.check_bind(self._bind_host(self.net["learner_host"]))
+        # CURVE keys and the loopback rule first: raises startup.CannotStart before any socket exists
+        self.security = startup.security(cfg, "learner", log,
+                                         bind_host=self._bind_host(self.net["learner_host"]))
         self.ckpt_dir = self.run_dir / "checkpoints"
         self.started = time.monotonic()
         self.ctx = zmq.Context()
@@ -738,10 +735,14 @@ class Learner:
 
 
 def main(cfg: Dict[str, Dict[str, Any]], log: Any, run_dir: Path, resume: bool) -> int:
-    """Run the learner until SIGINT/SIGTERM; 0 on a clean stop, 1 on a socket error, 2 on a bad resume."""
-    stop = threading.Event()
-    old_handlers = install_stop_signals(stop)
-    run_dir = Path(run_dir)
+    """Run the learner until SIGINT/SIGTERM; return the exit code (zclaw/stopping.py): 0 on a clean stop,
+    1 on a socket error, 2 when it cannot start (keys, bind host, a bad resume), 3 when the broker refused
+    it."""
+    return startup.run_role(log, lambda stop: _run(cfg, log, Path(run_dir), resume, stop))
+
+
+def _run(cfg: Dict[str, Dict[str, Any]], log: Any, run_dir: Path, resume: bool, stop: threading.Event) -> int:
+    """:func:`main`'s body, run with the stop signals installed (zclaw/startup.py)."""
     run_dir.mkdir(parents=True, exist_ok=True)
     torch.set_num_threads(int(cfg["learner"]["threads"]))
 
@@ -750,25 +751,20 @@ def main(cfg: Dict[str, Dict[str, Any]], log: Any, run_dir: Path, resume: bool) 
         try:
             state = ckpt.load(run_dir / "checkpoints")
         except ckpt.CheckpointError as exc:
-            log.error("cannot resume", error=str(exc))
-            return 2
+            raise startup.CannotStart("cannot resume", error=str(exc)) from None
     else:
         seed = int(cfg["run"]["seed"])
         torch.manual_seed(seed)
         np.random.seed(seed)
         random.seed(seed)
 
-    try:
-        learner = Learner(cfg, log, run_dir, stop)
-    except ConfigError as exc:  # keys that do not load, or an unprotected bind beyond loopback
-        log.error("refusing to start", error=str(exc))
-        return 2
-    code = 0
+    learner = Learner(cfg, log, run_dir, stop)  # keys that do not load, an unprotected bind: CannotStart
+    code = EXIT_OK
     try:
         err = learner.open_sockets()
         if err is not None:
             log.error(err)
-            return 1
+            return EXIT_FAILED
         log.info("learner up", publish=learner.net["publish_port"], serve=learner.net["learner_port"],
                  broker=learner.broker.endpoint if learner.broker else None, run_dir=str(run_dir),
                  **learner.security.summary())
@@ -782,18 +778,16 @@ def main(cfg: Dict[str, Dict[str, Any]], log: Any, run_dir: Path, resume: bool) 
                 learner.build(spec, state)
             except ckpt.CheckpointError as exc:
                 log.error("cannot resume", error=str(exc))
-                code = 2
+                code = EXIT_CANNOT_START
             else:
                 log.info("serving weights", version=learner.version, spec_hash=spec.hash)
                 learner.train_loop()
         elif learner.refused is not None:
             code = EXIT_REFUSED
-        if code == 0:
+        if code == EXIT_OK:
             rep = learner.finish()
             log.info("learner stopped", version=rep["version"], updates=rep["updates"],
                      steps=rep["steps_consumed"], return_mean_100=rep["return_mean_100"])
         return code
     finally:
         learner.close()
-        for sig, handler in old_handlers.items():
-            signal.signal(sig, handler)

@@ -21,7 +21,6 @@ the middle of a segment, and the learner measures and corrects staleness per ste
 from __future__ import annotations
 
 import os
-import signal
 import socket
 import threading
 import time
@@ -41,9 +40,9 @@ from ..telemetry import EpisodeWindow, ResourceMeter, cuda_index
 from ..wire import DropCounter, LazyPirate, Message, Segment, WireError, make, make_socket, parse, tcp
 from ..wire.limits import MAX_EPISODES
 from ..wire.messages import EnvSpec
-from ..config import ConfigError
+from .. import startup
 from ..security import Security
-from ..stopping import EXIT_REFUSED, install_stop_signals
+from ..stopping import EXIT_OK, EXIT_REFUSED
 from .sender import Sender
 from .session import BrokerSession, Refused
 
@@ -699,50 +698,46 @@ class Worker:
 
 
 def main(cfg: Dict[str, Dict[str, Any]], log: Any, index: int) -> int:
-    """Run one worker until SIGINT/SIGTERM; 0 on a clean stop, 2 when it cannot start (device, env)."""
-    stop = threading.Event()
-    previous = install_stop_signals(stop)
+    """Run one worker until SIGINT/SIGTERM; return the exit code (zclaw/stopping.py): 0 on a clean stop,
+    2 when it cannot start (device, keys, envs), 3 when a server refused it."""
+    return startup.run_role(log, lambda stop: _run(cfg, log, index, stop))
+
+
+def _run(cfg: Dict[str, Dict[str, Any]], log: Any, index: int, stop: threading.Event) -> int:
+    """:func:`main`'s body, run with the stop signals installed (zclaw/startup.py)."""
     try:
-        try:
-            device = select_device(int(cfg["worker"]["gpu"]))
-        except DeviceError as exc:
-            log.error(str(exc))
-            return 2
-        try:  # before the envs are built: a missing key is found in a second, not after env start-up
-            security = Security.from_config(cfg, "worker", index, log=log)
-        except ConfigError as exc:
-            log.error("refusing to start", error=str(exc))
-            return 2
-        torch.set_num_threads(int(cfg["worker"]["threads"]))
-        seed = worker_seed(cfg["run"]["seed"], index)
-        torch.manual_seed(seed)
-        np.random.seed(seed % (1 << 32))
-        try:
-            env = make_env(
-                cfg["run"]["env"], int(cfg["worker"]["envs"]), seed, device,
-                vectorize=cfg["worker"]["vectorize"], env_processes=int(cfg["worker"]["env_processes"]),
-            )
-        except (ValueError, ImportError) as exc:
-            log.error("cannot build the environments", env=cfg["run"]["env"], error=str(exc))
-            return 2
-        worker = None
-        code = 0
-        try:
-            worker = Worker(cfg, log, index, env, device, stop, security=security)
-            worker.run()
-        except Refused as exc:  # a mismatch that retrying cannot fix: say why and exit non-zero
-            log.error("refused; exiting", server=exc.server, cause=exc.cause, reason=exc.reason,
-                      spec_hash=env.spec.hash, exit_code=EXIT_REFUSED)
-            code = EXIT_REFUSED
-        finally:
-            if worker is not None:
-                worker.close()
-            env.close()
-        log.info(
-            "worker stopped", segments=worker.seq if worker else 0, steps=worker.steps if worker else 0,
-            sent=worker.sender.sent if worker else 0, exit_code=code,
+        device = select_device(int(cfg["worker"]["gpu"]))
+    except DeviceError as exc:
+        raise startup.CannotStart(str(exc)) from None
+    # before the envs are built: a missing key is found in a second, not after env start-up
+    security = startup.security(cfg, "worker", log, index)
+    torch.set_num_threads(int(cfg["worker"]["threads"]))
+    seed = worker_seed(cfg["run"]["seed"], index)
+    torch.manual_seed(seed)
+    np.random.seed(seed % (1 << 32))
+    try:
+        env = make_env(
+            cfg["run"]["env"], int(cfg["worker"]["envs"]), seed, device,
+            vectorize=cfg["worker"]["vectorize"], env_processes=int(cfg["worker"]["env_processes"]),
         )
-        return code
+    except (ValueError, ImportError) as exc:
+        raise startup.CannotStart("cannot build the environments", env=cfg["run"]["env"],
+                                  error=str(exc)) from None
+    worker = None
+    code = EXIT_OK
+    try:
+        worker = Worker(cfg, log, index, env, device, stop, security=security)
+        worker.run()
+    except Refused as exc:  # a mismatch that retrying cannot fix: say why and exit non-zero
+        log.error("refused; exiting", server=exc.server, cause=exc.cause, reason=exc.reason,
+                  spec_hash=env.spec.hash, exit_code=EXIT_REFUSED)
+        code = EXIT_REFUSED
     finally:
-        for sig, h in previous.items():
-            signal.signal(sig, h)
+        if worker is not None:
+            worker.close()
+        env.close()
+    log.info(
+        "worker stopped", segments=worker.seq if worker else 0, steps=worker.steps if worker else 0,
+        sent=worker.sender.sent if worker else 0, exit_code=code,
+    )
+    return code
