@@ -11,8 +11,6 @@ bounded window.
 from __future__ import annotations
 
 import os
-import subprocess
-import sys
 import time
 from collections import Counter
 from pathlib import Path
@@ -22,8 +20,9 @@ import msgpack
 import numpy as np
 import pytest
 import zmq
+from support.peers import SPEC, assert_same_segment
+from support.procs import BrokerProc, free_port, rss_mib, spawn
 from synthetic import random_segment
-from test_broker import SPEC, BrokerProc, assert_same_segment, free_port
 
 from zclaw import __version__
 from zclaw.launch import stop_processes
@@ -41,13 +40,6 @@ T, N = 2, 2
 WINDOW = 8
 
 Frames = List[bytes]
-
-
-def rss_mib(pid: int) -> float:
-    for line in Path(f"/proc/{pid}/status").read_text().splitlines():
-        if line.startswith("VmRSS:"):
-            return int(line.split()[1]) / 1024
-    raise AssertionError("no VmRSS")
 
 
 def as_bytes(frames: List[Any]) -> Frames:
@@ -228,13 +220,13 @@ def test_fuzz_broker_and_learner_drop_exactly_the_bad_and_keep_good_data(tmp_pat
                         "broker.request_rate=1e6", "broker.request_burst=1e6")
     learner_port = free_port()
     learner_log = open(tmp_path / "learner.log", "wb")
-    learner = subprocess.Popen(  # its broker port leads nowhere: it waits for a spec while its ROUTER serves
-        [sys.executable, "-m", "zclaw.cli", "learner", "--run-dir", str(tmp_path / "run"),
+    learner = spawn(  # its broker port leads nowhere: it waits for a spec while its ROUTER serves
+        ["learner", "--run-dir", str(tmp_path / "run"),
          "--set", f"network.learner_port={learner_port}", "--set", f"network.publish_port={free_port()}",
          "--set", f"network.serve_port={free_port()}", "--set", "learner.tensorboard=false",
          # the fuzz checks decoding, not fairness: no token bucket in the way of its 20,000 requests
          "--set", "learner.request_rate=1e6", "--set", "learner.request_burst=1e6",
-         "--set", 'log.format="json"'], stdout=learner_log, stderr=subprocess.STDOUT)
+         "--set", 'log.format="json"'], stdout=learner_log)
     ctx = broker.ctx
     try:
         rss0 = rss_mib(broker.proc.pid)

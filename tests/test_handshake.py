@@ -3,14 +3,15 @@ from __future__ import annotations
 
 import json
 import subprocess
-import sys
 import time
-from typing import Any, Dict, List
+from typing import Any, List
 
 import pytest
 import structlog
+from support.logs import log_lines
+from support.peers import SPEC, Worker, with_header
+from support.procs import ZCLAW
 import zmq
-from test_broker import SPEC, Worker, with_header
 
 from zclaw import __version__
 from zclaw.stopping import EXIT_REFUSED
@@ -105,13 +106,13 @@ def test_a_real_worker_with_another_env_is_refused_and_exits_3(start_broker, tmp
     log = tmp_path / "worker.log"
     with open(log, "wb") as f:
         proc = subprocess.run(
-            [sys.executable, "-m", "zclaw.cli", "worker", "--env", "gym:Reacher-v5", "--envs", "1",
-             "--set", f"network.ingest_port={broker.ingest_port}",
-             "--set", f"network.serve_port={broker.serve_port}", "--set", "network.publish_port=1",
-             "--set", "network.learner_port=1", "--set", 'log.format="json"'],
+            ZCLAW + ["worker", "--env", "gym:Reacher-v5", "--envs", "1",
+                     "--set", f"network.ingest_port={broker.ingest_port}",
+                     "--set", f"network.serve_port={broker.serve_port}", "--set", "network.publish_port=1",
+                     "--set", "network.learner_port=1", "--set", 'log.format="json"'],
             stdout=f, stderr=subprocess.STDOUT, timeout=120,
         )
-    lines: List[Dict[str, Any]] = [json.loads(x) for x in log.read_text().splitlines() if x.startswith("{")]
+    lines = log_lines(log)
     assert proc.returncode == EXIT_REFUSED, log.read_text()[-3000:]
     err = [e for e in lines if e.get("event") == "refused; exiting"]
     assert err and err[0]["cause"] == "bad_spec" and SPEC.hash in err[0]["reason"]

@@ -15,9 +15,9 @@ from typing import Any, Dict, List
 import msgpack
 import numpy as np
 import pytest
+from support.peers import SPEC, Worker, seg_arrays, with_header
+from support.procs import rss_mib
 import zmq
-from test_broker import SPEC, Worker, seg_arrays, with_header
-from test_fuzz import rss_mib
 
 from zclaw import __version__
 from zclaw.wire import make

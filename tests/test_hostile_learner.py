@@ -16,8 +16,9 @@ from typing import Any, Dict, Iterator, List
 
 import msgpack
 import pytest
+from support.logs import log_lines, wait_event
+from support.procs import ZCLAW, Roles
 import zmq
-from test_e2e import ZCLAW, Roles, log_lines
 
 from zclaw.launch import StatusClient
 from zclaw.learner import server
@@ -222,16 +223,6 @@ def test_clients_give_up_on_undecodable_replies_after_their_tries() -> None:
 # ------------------------------------------------------------------------- the same, against live roles
 
 
-def _acting(path: Any, timeout: float = 90) -> dict:
-    deadline = time.monotonic() + timeout
-    while time.monotonic() < deadline:
-        found = [e for e in log_lines(path) if e.get("event") == "acting"] if path.exists() else []
-        if found:
-            return found[0]
-        time.sleep(0.1)
-    raise AssertionError(f"no 'acting' in {path.name}:\n{path.read_text()[-3000:]}")
-
-
 class _Flood(threading.Thread):
     """One client sending snapshot and status requests as fast as it can (32 in flight on a DEALER)."""
 
@@ -284,13 +275,13 @@ def test_live_learner_answers_after_huge_parts_and_a_joining_worker_acts_through
     assert sum(drops.values()) >= 1 and "internal" not in drops, drops
 
     roles.start("worker", "--index", "1", name="worker1")
-    idle = _acting(tmp_path / "worker1.log")
+    idle = wait_event(tmp_path / "worker1.log", "acting", 90)
     flood = _Flood(roles.ctx, endpoint)
     flood.start()
     try:
         v0 = roles.learner.report()["version"]
         roles.start("worker", "--index", "2", name="worker2")
-        flooded = _acting(tmp_path / "worker2.log")
+        flooded = wait_event(tmp_path / "worker2.log", "acting", 90)
         roles.wait(roles.learner, lambda r: r["version"] >= v0 + 2, timeout=60)  # training goes on
     finally:
         flood.stop.set()
@@ -375,13 +366,6 @@ def test_learner_trains_on_and_status_returns_when_the_brokers_status_cannot_be_
     finally:
         spoiler.stop.set()
         spoiler.join(5)
-
-
-@pytest.fixture
-def roles(tmp_path: Path) -> Iterator[Roles]:
-    r = Roles(tmp_path)
-    yield r
-    r.close()
 
 
 # -- the loop's own pace: a flood costs a bounded share of a core, every request is still answered, and

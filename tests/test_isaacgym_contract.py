@@ -134,7 +134,7 @@ class HostCopies(TorchFunctionMode):
 def test_contract_worker_never_copies_to_host_before_encoding(
     fake_gym: Any, monkeypatch: pytest.MonkeyPatch
 ) -> None:
-    from test_worker import StandInLearner  # real PUB + ROUTER sockets playing the learner
+    from support.peers import StandInLearner  # real PUB + ROUTER sockets playing the learner
 
     N, T = 4, 16
     cfg = config.load(values={"run.env": TASK, "worker.envs": N, "worker.segment_length": T})
@@ -209,7 +209,7 @@ class _Log:
 def test_contract_zclaw_worker_imports_isaacgym_before_torch_and_trains_through_a_broker(
     tmp_path: Path
 ) -> None:
-    from test_e2e import Roles
+    from support.procs import Roles
 
     env = {"PYTHONPATH": str(FAKES)}
     roles = Roles(tmp_path)

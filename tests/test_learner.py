@@ -8,11 +8,7 @@ is what the learner's Lazy Pirate must survive.
 from __future__ import annotations
 
 import json
-import os
-import signal
-import socket
 import subprocess
-import sys
 import threading
 import time
 from pathlib import Path
@@ -20,6 +16,8 @@ from typing import Any, Dict, List, Optional
 
 import numpy as np
 import pytest
+from support.procs import free_port, sigterm, spawn
+from support.waiting import wait_until
 import zmq
 from zmq.utils.monitor import recv_monitor_message
 
@@ -31,12 +29,6 @@ from zclaw.wire import EnvSpec, make, parse
 SPEC = EnvSpec("test:Synthetic-v0", (3,), (2,), (-1.0, -1.0), (1.0, 1.0))
 B, T, N = 2, 8, 2
 REPO = Path(__file__).resolve().parents[1]
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 def synthetic_batch(keys: List[int], rng: np.random.Generator, version: int) -> list:
@@ -171,38 +163,16 @@ def start_learner(run_dir: Path, ports: Dict[str, int], resume: bool, log_file: 
         "learner.batch_segments=2", "learner.epochs=1", "learner.minibatches=2", "learner.checkpoint_s=1",
         "policy.hidden=[16]", "log.status_s=1", "log.format=json",
     ]
-    cmd = [sys.executable, "-m", "zclaw.cli", "learner", "--run-dir", str(run_dir)]
+    args = ["learner", "--run-dir", str(run_dir)]
     for s in sets:
-        cmd += ["--set", s]
+        args += ["--set", s]
     if resume:
-        cmd.append("--resume")
-    env = dict(os.environ, PYTHONUNBUFFERED="1")
-    return subprocess.Popen(cmd, cwd=str(REPO), stdout=log_file.open("ab"), stderr=subprocess.STDOUT, env=env)
-
-
-def wait_for(
-    pred, timeout_s: float, what: str, proc: Optional[subprocess.Popen] = None, log: Optional[Path] = None
-):
-    deadline = time.monotonic() + timeout_s
-    while time.monotonic() < deadline:
-        value = pred()
-        if value:
-            return value
-        if proc is not None and proc.poll() is not None:
-            tail = log.read_text()[-3000:] if log is not None else ""
-            pytest.fail(f"learner exited ({proc.returncode}) while waiting for {what}:\n{tail}")
-        time.sleep(0.05)
-    tail = log.read_text()[-3000:] if log is not None else ""
-    pytest.fail(f"timed out waiting for {what}\n{tail}")
+        args.append("--resume")
+    return spawn(args, stdout=log_file.open("ab"), cwd=str(REPO), env={"PYTHONUNBUFFERED": "1"})
 
 
 def stop_learner(proc: subprocess.Popen, log: Path) -> None:
-    proc.send_signal(signal.SIGTERM)
-    try:
-        rc = proc.wait(10)
-    except subprocess.TimeoutExpired:
-        proc.kill()
-        pytest.fail("learner did not exit within 10 s of SIGTERM")
+    rc = sigterm(proc, 10, "learner")
     assert rc == 0, log.read_text()[-3000:]
 
 
@@ -225,13 +195,14 @@ def test_learner_process_publishes_serves_survives_broker_restart_and_resumes(tm
     proc = start_learner(run_dir, ports, resume=False, log_file=log)
     try:
         # before the broker knows the env spec there is no model: snapshot says retry
-        reply = wait_for(lambda: request(router, make("snapshot"), 1.0), 60, "learner ROUTER", proc, log)
+        reply = wait_until(lambda: request(router, make("snapshot"), 1.0), 60, "learner ROUTER", proc=proc,
+                           output=log)
         assert reply.kind == "retry" and reply["reason"] == "no weights yet"
         sub.wait_connected(5)
         broker.spec_ready.set()
 
         # versions published on PUB start at 0 and increase
-        wait_for(lambda: len(sub.drain()) >= 6, 60, "6 published versions", proc, log)
+        wait_until(lambda: len(sub.drain()) >= 6, 60, "6 published versions", proc=proc, output=log)
         v = sub.versions
         assert v[0] == 0 and all(b > a for a, b in zip(v, v[1:])), v
 
@@ -275,12 +246,14 @@ def test_learner_process_publishes_serves_survives_broker_restart_and_resumes(tm
         time.sleep(1.5)
         n = broker.sample_count()
         broker.up.set()
-        wait_for(lambda: broker.sample_count() >= n + 3, 30, "requests after the broker came back", proc, log)
+        wait_until(lambda: broker.sample_count() >= n + 3, 30, "requests after the broker came back",
+                   proc=proc, output=log)
         before = sub.drain()[-1]
-        wait_for(lambda: sub.drain()[-1] > before, 10, "a new version after the broker came back", proc, log)
+        wait_until(lambda: sub.drain()[-1] > before, 10, "a new version after the broker came back",
+                   proc=proc, output=log)
 
         latest = run_dir / "checkpoints" / "latest.pt"
-        wait_for(latest.is_file, 5, "a periodic checkpoint", proc, log)
+        wait_until(latest.is_file, 5, "a periodic checkpoint", proc=proc, output=log)
         stop_learner(proc, log)
     finally:
         if proc.poll() is None:
@@ -303,7 +276,7 @@ def test_learner_process_publishes_serves_survives_broker_restart_and_resumes(tm
     try:
         sub.wait_connected(20)
         broker.spec_ready.set()
-        wait_for(lambda: len(sub.drain()) >= 3, 60, "versions after resume", proc, log)
+        wait_until(lambda: len(sub.drain()) >= 3, 60, "versions after resume", proc=proc, output=log)
         assert sub.versions[0] == last, (sub.versions, last)
         assert all(b > a for a, b in zip(sub.versions, sub.versions[1:]))
         with broker.lock:

@@ -7,7 +7,6 @@ from __future__ import annotations
 
 import json
 import os
-import signal
 import stat
 import subprocess
 import time
@@ -19,11 +18,13 @@ import pytest
 import zmq
 import zmq.auth
 
+from support.logs import log_lines
+from support.procs import FAST, STATUS_MS, ZCLAW, Roles, free_port, sigterm, spawn
+from support.waiting import wait_until
 from synthetic import random_segment
-from test_e2e import FAST, STATUS_MS, ZCLAW, Roles, log_lines
 from zclaw import config as config_mod
 from zclaw.config import ConfigError
-from zclaw.launch import StatusClient, free_port
+from zclaw.launch import StatusClient
 from zclaw.logs import setup as log_setup
 from zclaw.security import Security, is_loopback
 from zclaw.tools.keys import KeysError, default_names, generate
@@ -310,18 +311,14 @@ def test_non_loopback_bind_is_refused_without_keys_unless_insecure(keys: Path, t
         ports = _ports_args()
         serve_port = int(ports[3].split("=")[1])
         log = open(tmp_path / log_name, "wb")
-        proc = subprocess.Popen(ZCLAW + ["broker"] + wide + ports + extra, stdout=log,
-                                stderr=subprocess.STDOUT)
+        proc = spawn(["broker"] + wide + ports + extra, stdout=log)
         ctx = zmq.Context()
         client = StatusClient(ctx, tcp("127.0.0.1", serve_port), curve=curve)
         try:
-            rep = None
-            deadline = time.monotonic() + 30
-            while rep is None and time.monotonic() < deadline and proc.poll() is None:
-                rep = client.report()
-            assert rep is not None and rep["role"] == "broker", (tmp_path / log_name).read_text()
-            proc.send_signal(signal.SIGTERM)
-            assert proc.wait(20) == 0
+            rep = wait_until(client.report, 30, "the broker's status report", interval=0, proc=proc,
+                             output=tmp_path / log_name)
+            assert rep["role"] == "broker", (tmp_path / log_name).read_text()
+            assert sigterm(proc, 20) == 0
             return rep
         finally:
             if proc.poll() is None:

@@ -1,17 +1,16 @@
 """Broker store snapshots: state/restore round trip, atomic files, a real broker restored after SIGKILL."""
 from __future__ import annotations
 
-import json
 import signal
-import subprocess
 import time
 from pathlib import Path
-from typing import List
 
 import numpy as np
 import pytest
+from support.logs import parse_lines
+from support.peers import SPEC, T, N, Worker, assert_same_segment, seg_arrays
+from support.procs import children
 from synthetic import random_segment
-from test_broker import SPEC, T, N, Worker, assert_same_segment, seg_arrays
 
 from zclaw.broker import snapshot
 from zclaw.broker.store import Store
@@ -89,11 +88,6 @@ def test_snapshot_file_is_atomic_and_crash_leftovers_are_cleared(tmp_path: Path)
         snapshot.load(path)
 
 
-def _children(pid: int) -> List[int]:
-    out = subprocess.run(["ps", "-o", "pid=", "--ppid", str(pid)], capture_output=True, text=True).stdout
-    return [int(x) for x in out.split()]
-
-
 @pytest.mark.parametrize("mode", ["thread", "fork"])
 def test_broker_snapshots_while_ingesting_and_restores_after_sigkill(
     start_broker, tmp_path: Path, mode: str
@@ -113,7 +107,7 @@ def test_broker_snapshots_while_ingesting_and_restores_after_sigkill(
     # the snapshot that holds the sample too (a slow host may still be writing one from before it)
     rep = broker.wait_for(lambda r: r["snapshot"]["current"] and not r["snapshot"]["in_progress"]
                           and r["snapshot"]["age_s"] is not None, "a current snapshot", timeout_s=30)
-    assert not _children(broker.proc.pid), "no snapshot child is left (fork mode reaps it)"
+    assert not children(broker.proc.pid), "no snapshot child is left (fork mode reaps it)"
     ports = (broker.ingest_port, broker.serve_port)
     w.close()
     broker.kill()  # SIGKILL: no final snapshot, the periodic one is all there is
@@ -123,7 +117,7 @@ def test_broker_snapshots_while_ingesting_and_restores_after_sigkill(
     assert rep["spec"] == SPEC.to_dict(), "the env spec comes back with the snapshot, before any hello"
     assert (rep["inserted_segments"], rep["sampled_segments"], rep["fill"]) == (6, 1, 5)
     assert rep["episodes"] == 6
-    restored = [json.loads(line) for line in again.output().splitlines() if '"restored snapshot"' in line]
+    restored = [e for e in parse_lines(again.output()) if e.get("event") == "restored snapshot"]
     assert restored and restored[0]["segments"] == 5
     w2 = Worker(again.ctx, again.ingest_port, identity="w1-new")  # no hello: the spec is already known
     later = w2.segment(seg_arrays(rng, version=9))
@@ -139,7 +133,7 @@ def test_broker_snapshots_while_ingesting_and_restores_after_sigkill(
     again.proc.send_signal(signal.SIGTERM)
     assert again.proc.wait(10) == 0
     assert time.monotonic() - t0 < 10
-    final = [json.loads(x) for x in again.output().splitlines() if '"final snapshot"' in x]
+    final = [e for e in parse_lines(again.output()) if e.get("event") == "final snapshot"]
     # "current": a periodic snapshot (every 0.3 s) after the last sample already holds this state
     assert final and final[0]["outcome"] in ("written", "current"), final
     loaded = snapshot.load(snapshot.snapshot_path(run_dir))

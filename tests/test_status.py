@@ -5,22 +5,9 @@ import time
 import json
 import socket
 import subprocess
-import sys
 from pathlib import Path
 
-import pytest
-
-from test_e2e import Roles  # the same role launcher the end-to-end tests use
-from zclaw.launch import free_port
-
-ZCLAW = [sys.executable, "-m", "zclaw.cli"]
-
-
-@pytest.fixture
-def roles(tmp_path: Path):
-    r = Roles(tmp_path)
-    yield r
-    r.close()
+from support.procs import ZCLAW, Roles, free_port  # the launcher the end-to-end tests use (fixture: roles)
 
 
 def status(roles: Roles, *extra: str) -> subprocess.CompletedProcess:

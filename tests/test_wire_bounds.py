@@ -9,8 +9,8 @@ import numpy as np
 import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
+from support.peers import SPEC
 from synthetic import random_segment
-from test_broker import SPEC
 
 from zclaw.broker.server import Broker
 from zclaw.broker.store import Store

@@ -2,37 +2,25 @@
 (PUB + ROUTER answering ``snapshot``), so everything the worker does crosses TCP exactly as in a run."""
 from __future__ import annotations
 
-import json
-import signal
-import socket
-import subprocess
-import sys
-import threading
 import time
-from typing import Any, Dict, List, Optional
+from typing import Any
 
 import numpy as np
 import pytest
+from support.peers import StandInLearner
+from support.procs import WorkerProcess, free_port
+from support.waiting import wait_until
 import torch
 import zmq
 
-from zclaw import config
 from zclaw.envs import make_env
-from zclaw.policy.networks import OptionPolicy
-from zclaw.policy.weights import policy_config, weights_message
-from zclaw.wire import WireError, bind, make, make_socket, parse, segment_dims
+from zclaw.wire import WireError, bind, make_socket, parse, segment_dims
 from zclaw.wire.messages import EnvSpec
 
 ENV = "gym:Reacher-v5"
 T, N = 16, 4
 
 # ------------------------------------------------------------------------------------------ helpers
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 @pytest.fixture(scope="module")
@@ -42,122 +30,6 @@ def spec() -> EnvSpec:
         return env.spec
     finally:
         env.close()
-
-
-class StandInLearner:
-    """Real PUB + ROUTER sockets in a thread: answers ``snapshot`` with the served weights, publishes
-    the newest published version every 100 ms (a SUB that joins late still gets it). The ROUTER also
-    plays the broker's serve socket: it answers the worker's ``hello`` handshake with ``welcome``."""
-
-    def __init__(self, ctx: zmq.Context, spec: EnvSpec, version: int, pub_port: int = 0,
-                 router_port: int = 0) -> None:
-        cfg = config.load()
-        self.model = OptionPolicy(policy_config(cfg["policy"], spec))
-        self.spec = spec
-        self.served = weights_message(self.model, version, 0, spec.hash)
-        self.published: Optional[bytes] = None
-        self.snapshots = 0
-        self.hellos = 0
-        self.pub = make_socket(ctx, zmq.PUB)
-        self.router = make_socket(ctx, zmq.ROUTER)
-        self.pub_port = bind(self.pub, "127.0.0.1", pub_port)
-        self.router_port = bind(self.router, "127.0.0.1", router_port)
-        self._stop = threading.Event()
-        self._thread = threading.Thread(target=self._loop, daemon=True)
-        self._thread.start()
-
-    def serve(self, version: int) -> None:
-        self.served = weights_message(self.model, version, 0, self.spec.hash)
-
-    def publish(self, version: int) -> None:
-        self.published = weights_message(self.model, version, 0, self.spec.hash)
-
-    def _loop(self) -> None:
-        last_pub = 0.0
-        while not self._stop.is_set():
-            if self.router.poll(20):
-                ident, empty, *frames = self.router.recv_multipart()
-                msg = parse(frames)
-                if msg.kind == "snapshot":
-                    self.snapshots += 1
-                    self.router.send_multipart([ident, empty, self.served])
-                elif msg.kind == "hello":
-                    self.hellos += 1
-                    self.router.send_multipart([ident, empty] + make(
-                        "welcome", role="broker", identity="broker-standin", host="h", pid=1, zclaw="0",
-                        spec=msg["spec"]))
-            if self.published is not None and time.monotonic() - last_pub > 0.1:
-                self.pub.send(self.published)
-                last_pub = time.monotonic()
-
-    def close(self) -> None:
-        self._stop.set()
-        self._thread.join(10)
-        assert not self._thread.is_alive(), "the stand-in's thread still uses its sockets"
-        self.pub.close(0)
-        self.router.close(0)
-
-
-class WorkerProcess:
-    """``python -m zclaw.cli worker ...`` with its JSON log lines collected from stderr by a thread."""
-
-    def __init__(self, ingest: int, publish: int, learner: int, *extra: str) -> None:
-        cmd = [
-            sys.executable, "-m", "zclaw.cli", "worker", "--env", ENV, "--envs", str(N),
-            "--set", f"worker.segment_length={T}", "--set", f"network.ingest_port={ingest}",
-            "--set", f"network.publish_port={publish}", "--set", f"network.learner_port={learner}",
-            # the stand-in learner also answers the broker handshake
-            "--set", f"network.serve_port={learner}",
-            "--set", "log.format=json", *extra,
-        ]
-        self.proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
-        self.lines: List[str] = []
-        self._reader = threading.Thread(target=self._read, daemon=True)
-        self._reader.start()
-
-    def _read(self) -> None:
-        assert self.proc.stderr is not None
-        for line in self.proc.stderr:
-            self.lines.append(line)
-
-    def events(self, name: str) -> List[Dict[str, Any]]:
-        out = []
-        for line in list(self.lines):
-            try:
-                rec = json.loads(line)
-            except ValueError:
-                continue
-            if rec.get("event") == name:
-                out.append(rec)
-        return out
-
-    def wait_event(self, name: str, timeout: float) -> Dict[str, Any]:
-        deadline = time.monotonic() + timeout
-        while time.monotonic() < deadline:
-            found = self.events(name)
-            if found:
-                return found[0]
-            assert self.proc.poll() is None, f"worker exited early:\n{''.join(self.lines)}"
-            time.sleep(0.05)
-        raise AssertionError(f"no {name!r} log line within {timeout} s:\n{''.join(self.lines[-30:])}")
-
-    def terminate(self, within: float = 10.0) -> int:
-        """SIGTERM; the worker must exit within ``within`` s (its flush is bounded by 1 s; the rest is
-        interpreter and env teardown, slow on a loaded machine); returns its exit code."""
-        self.proc.send_signal(signal.SIGTERM)
-        try:
-            rc = self.proc.wait(within)
-        except subprocess.TimeoutExpired:
-            self.proc.kill()
-            self.proc.wait()
-            raise AssertionError(f"worker did not exit within {within} s of SIGTERM")
-        self._reader.join(2)
-        return rc
-
-    def kill(self) -> None:
-        if self.proc.poll() is None:
-            self.proc.kill()
-            self.proc.wait()
 
 
 def recv(pull: zmq.Socket, timeout: float = 15.0):
@@ -184,7 +56,7 @@ def test_worker_hello_segments_and_versions(spec: EnvSpec) -> None:
     pull = make_socket(ctx, zmq.PULL)
     ingest = bind(pull, "127.0.0.1", 0)
     learner = StandInLearner(ctx, spec, version=7)
-    w = WorkerProcess(ingest, learner.pub_port, learner.router_port)
+    w = WorkerProcess(ingest, learner.pub_port, learner.router_port, env=ENV, envs=N, segment_length=T)
     try:
         first = recv(pull, 30)
         assert first.kind == "hello", first  # the spec reaches the broker before any segment
@@ -242,7 +114,8 @@ def test_worker_hello_segments_and_versions(spec: EnvSpec) -> None:
 
 def test_worker_gpu_missing_exits_nonzero() -> None:
     gpu = torch.cuda.device_count()  # never a valid index
-    w = WorkerProcess(free_port(), free_port(), free_port(), "--gpu", str(gpu))
+    w = WorkerProcess(free_port(), free_port(), free_port(), "--gpu", str(gpu), env=ENV, envs=N,
+                      segment_length=T)
     try:
         rc = w.proc.wait(30)
         w._reader.join(5)
@@ -263,7 +136,8 @@ def test_worker_waits_then_backpressure_then_delivers_in_order(spec: EnvSpec) ->
     ctx = zmq.Context()
     pub_port, router_port = free_port(), free_port()
     w = WorkerProcess(
-        ingest, pub_port, router_port, "--set", f"worker.send_queue={capacity}", "--set", "log.status_s=0.3"
+        ingest, pub_port, router_port, "--set", f"worker.send_queue={capacity}", "--set", "log.status_s=0.3",
+        env=ENV, envs=N, segment_length=T,
     )
     learner = None
     pull = None
@@ -274,9 +148,8 @@ def test_worker_waits_then_backpressure_then_delivers_in_order(spec: EnvSpec) ->
         bp = w.wait_event("backpressure", 30)
         assert bp["queued"] <= capacity and bp["capacity"] == capacity
         # blocked: the worker must not make (and hold) more segments while two status lines go by
-        deadline = time.monotonic() + 15
-        while len([r for r in w.events("status") if r["blocked_s"] > 0]) < 2 and time.monotonic() < deadline:
-            time.sleep(0.05)
+        wait_until(lambda: len([r for r in w.events("status") if r["blocked_s"] > 0]) >= 2, 15,
+                   "two status lines while blocked", output=lambda: "".join(w.lines[-20:]))
         blocked = [r for r in w.events("status") if r["blocked_s"] > 0]
         assert len(blocked) >= 2, w.lines[-20:]
         assert all(r["queued"] <= capacity for r in w.events("status"))
