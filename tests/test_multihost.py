@@ -11,6 +11,7 @@ import uuid
 from pathlib import Path
 
 import pytest
+from support.logs import log_lines
 
 SCRIPT = Path(__file__).resolve().parents[1] / "bin" / "netns-cluster"
 
@@ -55,8 +56,7 @@ def test_netns_cluster_trains_across_namespaces_with_curve(tmp_path: Path) -> No
 
     # the roles really were on separate addresses, with CURVE on their sockets
     logs = tmp_path / "logs"
-    events = [json.loads(ln) for f in ("broker.log", "learner.log")
-              for ln in (logs / f).read_text().splitlines() if ln.startswith("{")]
+    events = [e for f in ("broker.log", "learner.log") for e in log_lines(logs / f)]
     listening = [e for e in events if e.get("event") == "broker listening"]
     assert listening and listening[0]["host"] == "10.77.0.1" and listening[0]["curve"] is True
     up = [e for e in events if e.get("event") == "learner up"]
