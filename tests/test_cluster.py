@@ -128,6 +128,61 @@ def test_contract_sbatch_puts_broker_and_learner_on_the_first_node_workers_on_th
     assert all("--insecure" in c for c in calls if c.startswith(("zclaw broker", "zclaw learner")))
 
 
+STUB_TORCHRUN = """#!/usr/bin/env bash
+# stands in for torchrun: records its node rank (PET_NODE_RANK) and options, then runs the --no-python command
+echo "torchrun node_rank=${PET_NODE_RANK:-unset} $*" >> "$STUB_LOG"
+while [ $# -gt 0 ] && [ "$1" != --no-python ]; do shift; done
+shift
+exec "$@"
+"""
+
+
+def run_sbatch(tmp_path: Path, nodes: int, workers: int, **env: str) -> List[str]:
+    """The script on ``nodes`` stub nodes; the calls it made (srun, torchrun, zclaw)."""
+    bin_ = tmp_path / "bin"
+    bin_.mkdir(parents=True, exist_ok=True)
+    names = "\\n".join(f"node{i}" for i in range(1, nodes + 1))
+    _stub(bin_, "scontrol", f"#!/usr/bin/env bash\nprintf '{names}\\n'\n")
+    _stub(bin_, "srun", STUB_SRUN)
+    _stub(bin_, "zclaw-stub", STUB_ZCLAW)
+    _stub(bin_, "torchrun", STUB_TORCHRUN)
+    log = tmp_path / "calls.log"
+    full = dict(os.environ, PATH=f"{bin_}:{os.environ['PATH']}", STUB_LOG=str(log), SLURM_JOB_ID="42",
+                SLURM_JOB_NODELIST=f"node[1-{nodes}]", ZCLAW_BIN="zclaw-stub",
+                ZCLAW_RUN_DIR=str(tmp_path / "run"), STUB_WORKERS=str(workers), **env)
+    out = subprocess.run(["bash", str(SBATCH)], env=full, capture_output=True, text=True, timeout=60)
+    assert out.returncode == 0, out.stderr
+    return log.read_text().splitlines()
+
+
+def test_contract_sbatch_runs_learner_ranks_by_nproc_on_one_node_and_by_torchrun_on_several(
+    tmp_path: Path
+) -> None:
+    # one learner node, 4 ranks: `zclaw learner --nproc 4` on the head node, workers on the other nodes
+    calls = run_sbatch(tmp_path / "one", 3, 2, ZCLAW_LEARNER_RANKS_PER_NODE="4")
+    (learner,) = [c for c in calls if c.startswith("zclaw learner")]
+    assert "--nproc 4" in learner
+    assert not [c for c in calls if c.startswith("torchrun")]
+    (wstep,) = [c for c in calls if c.startswith("srun") and " worker " in c]
+    assert "--relative=1" in wstep and "--nodes=2" in wstep
+
+    # two learner nodes, 8 ranks each: torchrun on node1 and node2 (node rank = task id, so global rank 0 is
+    # on node1, the learner_host), workers on the two nodes after them
+    calls = run_sbatch(tmp_path / "two", 4, 2, ZCLAW_LEARNER_NODES="2", ZCLAW_LEARNER_RANKS_PER_NODE="8")
+    (lstep,) = [c for c in calls if c.startswith("srun") and "torchrun" in c]
+    assert "--nodelist=node1,node2" in lstep and "--nodes=2" in lstep and "--ntasks=2" in lstep
+    runs = [c for c in calls if c.startswith("torchrun")]
+    assert sorted(c.split()[1] for c in runs) == ["node_rank=0", "node_rank=1"]
+    for c in runs:
+        assert "--nnodes=2" in c and "--nproc-per-node=8" in c and "--master-addr=node1" in c
+        assert "--no-python zclaw-stub learner" in c
+    learners = [c for c in calls if c.startswith("zclaw learner")]
+    assert len(learners) == 2 and not any("--nproc" in c for c in learners)
+    assert all("network.learner_host=node1" in c for c in learners)
+    (wstep,) = [c for c in calls if c.startswith("srun") and " worker " in c]
+    assert "--relative=2" in wstep and "--nodes=2" in wstep and "--ntasks=2" in wstep
+
+
 # --------------------------------------------------------------------------------------------- kubernetes
 
 
@@ -159,6 +214,37 @@ def test_k8s_ports_and_hosts_match_the_config(tmp_path: Path) -> None:
     assert workers["spec"]["replicas"] >= 1
     assert (workers["spec"]["selector"]["matchLabels"].items()
             <= workers["spec"]["template"]["metadata"]["labels"].items())
+
+
+def test_k8s_multinode_learner_puts_rank_0_behind_the_learner_service() -> None:
+    """deploy/k8s/multinode/learner.yaml replaces learner.yaml: torchrun in each StatefulSet pod, node rank =
+    pod ordinal, meeting at pod 0, which the zclaw-learner Service alone selects (rank 0 publishes)."""
+    kv = pytest.importorskip("kubernetes_validate")
+    objs = [d for d in yaml.safe_load_all((K8S / "multinode" / "learner.yaml").read_text()) if d]
+    for d in objs:
+        kv.validate(d, kv.utils.latest_version(), strict=True)
+    by = {(d["kind"], d["metadata"]["name"]): d for d in objs}
+    sts, svc = by[("StatefulSet", "zclaw-learner")], by[("Service", "zclaw-learner")]
+    ranks = by[("Service", "zclaw-learner-ranks")]
+    assert svc["spec"]["selector"]["statefulset.kubernetes.io/pod-name"] == "zclaw-learner-0"
+    assert ranks["spec"]["clusterIP"] == "None" and sts["spec"]["serviceName"] == "zclaw-learner-ranks"
+    labels = sts["spec"]["template"]["metadata"]["labels"]
+    assert all(labels[k] == v for k, v in svc["spec"]["selector"].items() if k.startswith("app."))
+    (c,) = sts["spec"]["template"]["spec"]["containers"]
+    cmd = " ".join(c["args"][0].split())
+    assert f"--nnodes {sts['spec']['replicas']}" in cmd
+    assert f"--nproc-per-node {c['resources']['limits']['nvidia.com/gpu']}" in cmd
+    assert '--node-rank "${HOSTNAME##*-}"' in cmd  # pod zclaw-learner-<i> is node i
+    assert "--master-addr zclaw-learner-0.zclaw-learner-ranks" in cmd
+    assert "--no-python zclaw learner --config /etc/zclaw/zclaw.toml --run-dir /runs/run" in cmd
+    # the same ports and the same keys as the one-pod learner it replaces
+    one = find("Service", "zclaw-learner")
+    assert svc["spec"]["ports"] == one["spec"]["ports"]
+    (single,) = find("Deployment", "zclaw-learner")["spec"]["template"]["spec"]["containers"]
+    assert [p for p in c["ports"] if p["name"] != "rendezvous"] == single["ports"]
+    secret = [v for v in sts["spec"]["template"]["spec"]["volumes"] if "secret" in v]
+    assert secret == [v for v in find("Deployment", "zclaw-learner")["spec"]["template"]["spec"]["volumes"]
+                      if "secret" in v]
 
 
 def test_k8s_every_role_finds_its_keys_in_its_mounted_secret(tmp_path: Path) -> None:

@@ -72,7 +72,35 @@ def save(
     """Write ``ckpt-<version>.pt`` and ``latest.pt`` atomically into ``directory``; return the first."""
     directory = Path(directory)
     directory.mkdir(parents=True, exist_ok=True)
-    state = {
+    data = encode(snapshot(model, optimizer, version=version, updates=updates, steps_consumed=steps_consumed,
+                           config=config, spec=spec, extra=extra, trainer=trainer))
+    numbered = directory / f"ckpt-{int(version):08d}.pt"
+    atomic_write(numbered, lambda f: f.write(data))
+    atomic_write(directory / LATEST, lambda f: f.write(data))
+    old = sorted(directory.glob("ckpt-*.pt"))
+    for p in old[:-KEEP]:
+        try:
+            p.unlink()
+        except OSError:
+            pass
+    return numbered
+
+
+def snapshot(
+    model: OptionPolicy,
+    optimizer: Optional[torch.optim.Optimizer],
+    *,
+    version: int,
+    updates: int,
+    steps_consumed: int,
+    config: Mapping[str, Any],
+    spec: Mapping[str, Any],
+    extra: Optional[Mapping[str, Any]] = None,
+    trainer: Optional[Mapping[str, Any]] = None,
+) -> Dict[str, Any]:
+    """The state :func:`save` writes, in memory (data-parallel ranks start from rank 0's: :func:`encode`d
+    and sent to every rank, zclaw/learner/distributed.py)."""
+    return {
         "format": FORMAT,
         "model": {k: v.detach().cpu() for k, v in model.state_dict().items()},
         "policy": model.cfg.to_dict(),
@@ -87,19 +115,18 @@ def save(
         # the trainer's own statistics (Trainer.state_dict: the reward scale); absent in older checkpoints
         "trainer": dict(trainer or {}),
     }
+
+
+def encode(state: Mapping[str, Any]) -> bytes:
+    """A checkpoint state as the bytes of a checkpoint file."""
     buf = io.BytesIO()
-    torch.save(state, buf)
-    data = buf.getvalue()
-    numbered = directory / f"ckpt-{int(version):08d}.pt"
-    atomic_write(numbered, lambda f: f.write(data))
-    atomic_write(directory / LATEST, lambda f: f.write(data))
-    old = sorted(directory.glob("ckpt-*.pt"))
-    for p in old[:-KEEP]:
-        try:
-            p.unlink()
-        except OSError:
-            pass
-    return numbered
+    torch.save(dict(state), buf)
+    return buf.getvalue()
+
+
+def decode(data: bytes, map_location: Any = "cpu") -> Dict[str, Any]:
+    """:func:`encode`'s bytes back as a state (``weights_only``: no pickled code runs)."""
+    return torch.load(io.BytesIO(data), map_location=map_location, weights_only=True)
 
 
 def find(path_or_dir: Union[str, Path]) -> Optional[Path]:

@@ -292,18 +292,28 @@ def weighted_mean(x: torch.Tensor, weight: Optional[torch.Tensor] = None) -> tor
     return (x * weight).mean() if weight is not None else x.mean()
 
 
-def normalize(adv: torch.Tensor, eps: float = 1e-8) -> torch.Tensor:
-    """``(A - mean A) / (std A + eps)``: per-minibatch advantage normalisation, as PPO implementations do."""
+def normalize(adv: torch.Tensor, eps: float = 1e-8,
+              stats: Optional[Tuple[float, float, float]] = None) -> torch.Tensor:
+    """``(A - mean A) / (std A + eps)``: per-minibatch advantage normalisation, as PPO implementations do.
+
+    ``stats`` = (mean, unbiased std, count) of a set ``adv`` is part of, used instead of ``adv``'s own: with
+    data-parallel learner ranks, every rank's minibatch together (zclaw/learner/distributed.py), so N ranks
+    normalise as one learner on their union would. A set of fewer than 2 entries is only centred."""
+    if stats is not None:
+        mean, std, count = stats
+        return adv - mean if count < 2 else (adv - mean) / (std + eps)
     if adv.numel() < 2:
         return adv - adv.mean()
     return (adv - adv.mean()) / (adv.std() + eps)
 
 
-def masked_normalize(adv: torch.Tensor, mask: torch.Tensor, eps: float = 1e-8) -> torch.Tensor:
-    """:func:`normalize` over the entries where ``mask`` holds (statistics from those only); 0 elsewhere."""
+def masked_normalize(adv: torch.Tensor, mask: torch.Tensor, eps: float = 1e-8,
+                     stats: Optional[Tuple[float, float, float]] = None) -> torch.Tensor:
+    """:func:`normalize` over the entries where ``mask`` holds (statistics from those only, or ``stats``);
+    0 elsewhere."""
     out = torch.zeros_like(adv)
     if bool(mask.any()):
-        out[mask] = normalize(adv[mask], eps)
+        out[mask] = normalize(adv[mask], eps, stats)
     return out
 
 
