@@ -88,7 +88,8 @@ class StandIns:
 
     def _broker_serve(self) -> None:
         welcome = make("welcome", role="broker", identity="bench-broker", host="bench", pid=os.getpid(),
-                       zclaw=__version__, spec=self.spec.to_dict())
+                       zclaw=__version__, spec=self.spec.to_dict(), segment_length=None,  # the worker's T
+                       max_message_bytes=1 << 30)
         while not self.stop.is_set():
             if self.serve.poll(50):
                 ident, empty, *frames = self.serve.recv_multipart()

@@ -338,7 +338,7 @@ class LiveRun:
     def hello(self, identity: str, host: str = "bench-attacker") -> List[Any]:
         assert self.spec is not None
         return make("hello", role="worker", identity=identity, host=host, pid=os.getpid(), zclaw=__version__,
-                    spec=self.spec.to_dict())
+                    spec=self.spec.to_dict(), segment_length=None)
 
 
 # ---------------------------------------------------------------------------------------------- attacks
@@ -413,7 +413,7 @@ def attack_hellos(run: LiveRun, ctx: zmq.Context, deadline: float) -> Dict[str, 
 
 def huge_parts(kind: str) -> List[bytes]:
     """ONE message whose header lists parts of shape [2, 2**39, 2**39], with two 4-byte frames."""
-    header = {"kind": kind, "v": PROTOCOL_VERSION, "arrays": [["x", "<f4", [2, 1 << 39, 1 << 39], 2]]}
+    header = {"kind": kind, "v": PROTOCOL_VERSION, "arrays": [["x", "<f4", [2, 1 << 39, 1 << 39], 0, [1, 1]]]}
     return [msgpack.packb(header, use_bin_type=True), b"\x00" * 4, b"\x00" * 4]
 
 

@@ -61,7 +61,7 @@ def _pusher(
     sock.setsockopt(zmq.LINGER, 10000)  # what was sent is delivered before the socket goes
     sock.connect(endpoint)
     sock.send_multipart(make("hello", role="worker", identity=f"load{idx}", host="bench", pid=os.getpid(),
-                             zclaw="0", spec=SPEC.to_dict()))
+                             zclaw="0", spec=SPEC.to_dict(), segment_length=None))
     with ready.get_lock():
         ready.value += 1
     while not go.is_set() and not stop.is_set():  # the load starts together, on the run's clock

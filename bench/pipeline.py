@@ -67,7 +67,7 @@ def produce(endpoint: str, T: int, N: int, hello: bool) -> None:
     sock.connect(endpoint)
     if hello:
         sock.send_multipart(make("hello", role="worker", identity="bench", host="h", pid=os.getpid(),
-                                 zclaw="0", spec=SPEC.to_dict()))
+                                 zclaw="0", spec=SPEC.to_dict(), segment_length=T))
     arrays = segment_arrays(T, N)
     seq = 0
     while True:
@@ -113,11 +113,11 @@ def run_pipeline(seconds: float, T: int, N: int, batch: int, prefetch: int,
         if msg is None:
             raise SystemExit("broker did not answer")
         if msg.kind == "batch":
-            B, T_, N_, _ = batch_dims(msg, SPEC)
+            B, T_, C_, _ = batch_dims(msg, SPEC)
             if t0 is None:
                 t0 = time.perf_counter()
             else:
-                n += B * T_ * N_
+                n += T_ * C_
         else:
             time.sleep(0.001)
         if t0 is not None and time.perf_counter() - t0 >= seconds:

@@ -3,10 +3,12 @@ from __future__ import annotations
 
 import os
 import time
+from typing import Dict, List
 
 import numpy as np
 import pytest
-from support.peers import SPEC, N, T, Worker, assert_same_segment, seg_arrays, with_header
+from support.peers import SPEC, N, T, Worker, seg_arrays, with_header
+from synthetic import assert_same_segment
 import zmq
 
 from zclaw import __version__
@@ -47,12 +49,12 @@ def test_data_flows_bit_for_bit_and_hostile_input_is_dropped_and_counted(start_b
 
     batch = broker.sample(2, version=1)
     assert batch.kind == "batch", batch.header
-    assert batch_dims(batch, SPEC) == (2, T, N, 2)
+    assert batch_dims(batch, SPEC) == (2, T, 2 * N, 2) and batch["columns"] == [N, N]
     assert batch["keys"] == [0, 1] and batch["seqs"] == [1, 2] and batch["workers"] == ["w0-test", "w0-test"]
     assert batch["spec_hash"] == SPEC.hash
     assert batch["episodes"] == episodes0 + episodes1
-    assert_same_segment(batch, 0, seg0.arrays)
-    assert_same_segment(batch, 1, seg1.arrays)
+    assert_same_segment(batch.arrays, batch["columns"], 0, seg0.arrays)
+    assert_same_segment(batch.arrays, batch["columns"], 1, seg1.arrays)
     assert batch.arrays["is_weight"].tolist() == [1.0, 1.0]
 
     # max_reuse = 1: both were used up
@@ -66,7 +68,7 @@ def test_data_flows_bit_for_bit_and_hostile_input_is_dropped_and_counted(start_b
     bad = Worker(broker.ctx, broker.ingest_port, identity="evil")
     bad.send([np.random.default_rng(1).bytes(1000)])  # garbage
     # unknown protocol version
-    bad.send(with_header(Segment("evil", 0, SPEC.hash, seg_arrays(rng)).frames(), v=2))
+    bad.send(with_header(Segment("evil", 0, SPEC.hash, seg_arrays(rng)).frames(), v=1))
     wrong_dtype = seg_arrays(rng)
     wrong_dtype["obs"] = wrong_dtype["obs"].astype("<f8")
     bad.segment(wrong_dtype)
@@ -93,8 +95,8 @@ def test_data_flows_bit_for_bit_and_hostile_input_is_dropped_and_counted(start_b
 
     batch = broker.sample(2, version=2)
     assert batch.kind == "batch" and batch["keys"] == [2, 3]
-    assert_same_segment(batch, 0, seg2.arrays)
-    assert_same_segment(batch, 1, seg3.arrays)
+    assert_same_segment(batch.arrays, batch["columns"], 0, seg2.arrays)
+    assert_same_segment(batch.arrays, batch["columns"], 1, seg3.arrays)
 
     # bad requests on the serve socket get an error reply (a REQ must never be left hanging) and are counted
     for frames, cause in [
@@ -122,6 +124,42 @@ def test_data_flows_bit_for_bit_and_hostile_input_is_dropped_and_counted(start_b
     assert report["uptime_s"] > 0
     good.close()
     bad.close()
+    broker.stop()
+
+
+def test_workers_of_different_env_counts_feed_one_store_and_every_segment_reaches_the_learner(
+    start_broker,
+) -> None:
+    """Protocol v2: workers with 1, 3 and 8 envs in one run; nothing is dropped for its shape, a batch joins
+    their columns, and each worker's data comes back bit for bit, in proportion to what it sent (queue mode:
+    every segment once)."""
+    broker = start_broker("broker.min_size=1")
+    rng = np.random.default_rng(5)
+    workers = {n: Worker(broker.ctx, broker.ingest_port, identity=f"w{n}-mixed") for n in (1, 3, 8)}
+    for w in workers.values():
+        w.hello(segment_length=T)
+    sent: Dict[str, List[Segment]] = {w.identity: [] for w in workers.values()}
+    for i in range(3):
+        for n, w in workers.items():
+            sent[w.identity].append(w.segment(seg_arrays(rng, version=i, N=n, M=i % 2)))
+    report = broker.wait_for(lambda r: r["inserted_segments"] == 9, "nine inserts")
+    assert "bad_shape" not in report["drops"], report["drops"]
+    assert report["inserted_steps"] == 3 * T * (1 + 3 + 8)
+    envs = {k: v["envs"] for k, v in report["workers"].items()}
+    assert envs == {"w1-mixed": 1, "w3-mixed": 3, "w8-mixed": 8}
+    got: Dict[str, int] = {}
+    for _ in range(3):
+        batch = broker.sample(3, version=3)
+        assert batch.kind == "batch", batch.header
+        B, T_, C, _ = batch_dims(batch, SPEC)
+        assert (B, T_, C) == (3, T, sum(batch["columns"]))
+        for b, (who, seq) in enumerate(zip(batch["workers"], batch["seqs"])):
+            assert_same_segment(batch.arrays, batch["columns"], b, sent[who][seq].arrays)
+            got[who] = got.get(who, 0) + batch["columns"][b] * T
+    assert got == {"w1-mixed": 3 * T, "w3-mixed": 9 * T, "w8-mixed": 24 * T}
+    assert broker.status()["lag_hist"]["3-4"] + broker.status()["lag_hist"]["2"] > 0
+    for w in workers.values():
+        w.close()
     broker.stop()
 
 
@@ -162,7 +200,7 @@ def test_max_reuse_priorities_and_max_staleness(start_broker) -> None:
     assert first.kind == "batch" and sorted(first["keys"]) == [0, 1]
     assert float(first.arrays["is_weight"].max()) == 1.0
     for b, k in enumerate(first["keys"]):
-        assert_same_segment(first, b, segs[k].arrays)
+        assert_same_segment(first.arrays, first["columns"], b, segs[k].arrays)
     second = broker.sample(2, version=1, keys=first["keys"], prios=[0.5, 2.0])
     assert second.kind == "batch" and sorted(second["keys"]) == [0, 1]
     assert second["episodes"] == []  # not the first time these were sampled
@@ -230,7 +268,7 @@ def test_when_full_evicts_or_holds_back_ingest(start_broker, when_full: str) -> 
         last = broker.sample(2)
         seen += last["seqs"]
         assert seen == list(range(10))  # every segment, in order, none evicted
-        assert_same_segment(last, 1, {k: v for k, v in sent[9].arrays.items()})
+        assert_same_segment(last.arrays, last["columns"], 1, {k: v for k, v in sent[9].arrays.items()})
         assert broker.status()["drops"].get("evicted_unused", 0) == 0
     w.close()
     broker.stop()
@@ -249,7 +287,7 @@ def test_when_full_wait_never_holds_back_ingest_while_the_rate_limiter_refuses_t
     broker = Broker(cfg, structlog.get_logger())
     rng = np.random.default_rng(4)
     broker.on_ingest(make("hello", role="worker", identity="w0", host="h", pid=1, zclaw=__version__,
-                          spec=SPEC.to_dict()))
+                          spec=SPEC.to_dict(), segment_length=None))
 
     def insert(seq: int) -> None:
         broker.on_ingest(Segment("w0", seq, SPEC.hash, seg_arrays(rng), []).frames())

@@ -24,14 +24,24 @@ def test_roles_by_hand_train_together_and_a_late_worker_acts_on_current_weights(
     b = roles.wait(roles.broker, lambda r: any(w["version"] >= v for w in r["workers"].values()), timeout=30)
     assert b["inserted_steps"] > 0 and b["lag_hist"]
 
-    # a worker joining now acts on the current version within one second of having its envs
+    # a worker of another shape joining now (2 envs where worker0 has 4, configured for 16-step segments
+    # where the run has 32) acts on the current version within one second of having its envs, takes the
+    # run's segment length from the welcome, and every segment it sends is stored and trained on
     joined_at = roles.learner.report()["version"]
-    roles.start("worker", "--env", "gym:Reacher-v5", "--index", "1", name="worker1")
+    roles.start("worker", "--env", "gym:Reacher-v5", "--index", "1", "--envs", "2",
+                "--set", "worker.segment_length=16", name="worker1")
     b = roles.wait(roles.broker, lambda r: len(r["workers"]) == 2, timeout=60)
     acting = wait_event(tmp_path / "worker1.log", "acting", 30, interval=0.2)  # worker1 acts
     assert acting["version"] >= joined_at, (
         "a joining worker must act on the current weights, not version 0"
     )
+    assert acting["T"] == 32 and acting["envs"] == 2
+    w1 = [k for k in b["workers"] if k.startswith("w1-")][0]
+    b = roles.wait(roles.broker, lambda r: r["workers"][w1]["segments"] >= 3, timeout=60)
+    mine = b["workers"][w1]
+    assert mine["envs"] == 2 and mine["steps"] == mine["segments"] * 32 * 2
+    assert not {"bad_shape", "oversize"} & set(b["drops"]), b["drops"]
+    roles.wait(roles.learner, lambda r: r["version"] >= joined_at + 3, timeout=60)  # trains on the mix
     # measured by the worker itself: from "worker starting" (envs built) through the broker's welcome
     # and the learner's snapshot to the first action
     assert acting["join_s"] < 1.0, acting

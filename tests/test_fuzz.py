@@ -20,13 +20,13 @@ import msgpack
 import numpy as np
 import pytest
 import zmq
-from support.peers import SPEC, assert_same_segment
+from support.peers import SPEC
 from support.procs import BrokerProc, free_port, rss_mib, spawn
-from synthetic import random_segment
+from synthetic import assert_same_segment, random_segment
 
 from zclaw import __version__
 from zclaw.launch import stop_processes
-from zclaw.wire import SCHEMAS, Segment, make, parse
+from zclaw.wire import PROTOCOL_VERSION, SCHEMAS, Segment, make, parse
 
 pytestmark = pytest.mark.slow
 
@@ -95,7 +95,8 @@ class Mutator:
         return [self.frames[0][: int(self.rng.integers(1, len(self.frames[0])))]] + self.frames[1:]
 
     def fam_bad_version(self) -> Frames:
-        return self._hdr(v=int(self.rng.integers(2, 256)))
+        v = int(self.rng.integers(0, 255))  # any version but this one's
+        return self._hdr(v=v if v < PROTOCOL_VERSION else v + 1)
 
     def fam_unknown_kind(self) -> Frames:
         kind = "k" + self.rng.bytes(6).hex()
@@ -242,7 +243,8 @@ def test_fuzz_broker_and_learner_drop_exactly_the_bad_and_keep_good_data(tmp_pat
             s.setsockopt(zmq.LINGER, 1000)
             s.connect(f"tcp://127.0.0.1:{broker.ingest_port}")
         push_all(good, as_bytes(make("hello", role="worker", identity="w0-good", host="h", pid=os.getpid(),
-                                     zclaw=__version__, spec=SPEC.to_dict())))
+                                     zclaw=__version__, spec=SPEC.to_dict(),
+                                     segment_length=T)))
         broker.wait_for(lambda r: r["spec"] is not None, "spec adoption")
         sent_good: List[Segment] = []
         families: Counter = Counter()
@@ -330,7 +332,7 @@ def test_fuzz_broker_and_learner_drop_exactly_the_bad_and_keep_good_data(tmp_pat
             assert batch.kind == "batch", batch.header
             assert batch["workers"] == ["w0-good"] * n
             for b, seq in enumerate(batch["seqs"]):
-                assert_same_segment(batch, b, sent_good[seq].arrays)
+                assert_same_segment(batch.arrays, batch["columns"], b, sent_good[seq].arrays)
                 got.append((seq, b))
         assert [s for s, _ in got] == list(range(len(sent_good))), "all good segments, in order"
         rss_max = max(rss_max, rss_mib(broker.proc.pid))

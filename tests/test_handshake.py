@@ -4,7 +4,7 @@ from __future__ import annotations
 import json
 import subprocess
 import time
-from typing import Any, List
+from typing import Any, Dict, List, Tuple
 
 import pytest
 import structlog
@@ -21,15 +21,17 @@ from zclaw.worker.session import BrokerSession, Refused
 OTHER = EnvSpec("test:Other-v0", (3,), (1,), (-2.0,), (2.0,))
 
 
-def hello(spec: Any, role: str = "worker", identity: str = "w9-test") -> List[Any]:
+def hello(spec: Any, role: str = "worker", identity: str = "w9-test", segment_length: Any = 8) -> List[Any]:
     return make("hello", role=role, identity=identity, host="testhost", pid=4242, zclaw=__version__,
-                spec=spec.to_dict() if spec is not None else None)
+                spec=spec.to_dict() if spec is not None else None,
+                segment_length=segment_length if role == "worker" else None)
 
 
 def test_broker_welcomes_its_spec_and_refuses_others_with_the_reason(start_broker) -> None:
     broker = start_broker()
     w = broker.request(hello(SPEC, identity="w0-a"))
     assert w.kind == "welcome" and w["spec"] == SPEC.to_dict() and w["role"] == "broker"
+    assert w["segment_length"] == 8, "the first worker's segment length becomes the run's"
     assert w["identity"].startswith("broker-") and w["pid"] == broker.proc.pid
     assert broker.status()["workers"]["w0-a"]["pid"] == 4242, "the hello registers the worker"
 
@@ -38,16 +40,25 @@ def test_broker_welcomes_its_spec_and_refuses_others_with_the_reason(start_broke
     assert OTHER.hash in r["reason"] and SPEC.hash in r["reason"]
     r = broker.request(hello(None, identity="w2-c"))
     assert r.kind == "refused" and r["cause"] == "no_spec"
-    r = broker.request(with_header(hello(SPEC), v=2))  # another protocol version
-    assert r.kind == "refused" and r["cause"] == "bad_version" and "v1" in r["reason"]
+    bad_spec = make("hello", role="worker", identity="w5-f", host="testhost", pid=4242, zclaw=__version__,
+                    spec={"env_id": 7}, segment_length=8)  # not a spec at all: refused, so the worker stops
+    r = broker.request(bad_spec)
+    assert r.kind == "refused" and r["cause"] == "bad_spec" and "env spec" in r["reason"]
+    r = broker.request(with_header(hello(SPEC), v=1))  # a peer of protocol v1
+    assert r.kind == "refused" and r["cause"] == "bad_version" and "v2" in r["reason"]
+    assert r.header["v"] == 1, "answered in the peer's own version, so that it can read why"
+    other_T = broker.request(hello(SPEC, identity="w3-d", segment_length=32))
+    assert other_T.kind == "welcome" and other_T["segment_length"] == 8, "a later worker is told the run's T"
+    r = broker.request(hello(SPEC, identity="w4-e", segment_length=None))
+    assert r.kind == "refused" and r["cause"] == "bad_shape" and "segment_length" in r["reason"]
     learner = broker.request(hello(None, role="learner", identity="learner-x"))
-    assert learner.kind == "welcome" and learner["spec"] == SPEC.to_dict()
+    assert learner.kind == "welcome" and learner["spec"] == SPEC.to_dict() and learner["segment_length"] == 8
 
     rep = broker.status()
-    assert rep["refused"] == {"bad_spec": 1, "no_spec": 1, "bad_version": 1}
+    assert rep["refused"] == {"bad_spec": 2, "no_spec": 1, "bad_version": 1, "bad_shape": 1}
     assert "w1-b" not in rep["workers"] and "learner-x" not in rep["workers"]
     logged = [json.loads(x) for x in broker.output().splitlines() if '"refused"' in x]
-    assert {e["cause"] for e in logged} == {"bad_spec", "no_spec", "bad_version"}
+    assert {e["cause"] for e in logged} == {"bad_spec", "no_spec", "bad_version", "bad_shape"}
     assert any(e["client"] == "w1-b" for e in logged)
     broker.stop()
 
@@ -99,25 +110,62 @@ def test_session_handshakes_heartbeats_and_learns_it_was_refused(start_broker) -
     ctx.destroy(linger=0)
 
 
-def test_a_real_worker_with_another_env_is_refused_and_exits_3(start_broker, tmp_path) -> None:
+def test_a_session_sending_another_segment_length_than_the_runs_is_refused(start_broker) -> None:
+    """A worker that already sends T-step segments cannot join a run whose T differs (a broker restarted
+    on another run's snapshot): its segments could never be stored, so the session says so and stops."""
     broker = start_broker()
-    Worker(broker.ctx, broker.ingest_port).hello(SPEC)  # the run's spec: test:Dummy-v0
-    broker.wait_for(lambda r: r["spec"] is not None, "adoption")
-    log = tmp_path / "worker.log"
+    assert broker.request(hello(SPEC, identity="w0-a", segment_length=8))["segment_length"] == 8
+    ctx = zmq.Context()
+    endpoint = f"tcp://127.0.0.1:{broker.serve_port}"
+    s = BrokerSession(ctx, endpoint, lambda: hello(SPEC, identity="w1-s", segment_length=16),
+                      structlog.get_logger(), spec_hash=SPEC.hash)
+    s.segment_length = 16
+    with pytest.raises(Refused) as exc:
+        s.handshake(lambda: False)
+    assert exc.value.cause == "bad_shape" and "8" in exc.value.reason and "16" in exc.value.reason
+    s.close()
+    ctx.destroy(linger=0)
+
+
+def run_worker(broker: Any, log: Any, *args: str) -> Tuple[int, List[Dict[str, Any]]]:
+    """A real ``zclaw worker`` (Reacher) against ``broker`` until it exits: its exit code and log lines."""
     with open(log, "wb") as f:
         proc = subprocess.run(
-            ZCLAW + ["worker", "--env", "gym:Reacher-v5", "--envs", "1",
+            ZCLAW + ["worker", "--env", "gym:Reacher-v5", *args,
                      "--set", f"network.ingest_port={broker.ingest_port}",
                      "--set", f"network.serve_port={broker.serve_port}", "--set", "network.publish_port=1",
                      "--set", "network.learner_port=1", "--set", 'log.format="json"'],
             stdout=f, stderr=subprocess.STDOUT, timeout=120,
         )
-    lines = log_lines(log)
-    assert proc.returncode == EXIT_REFUSED, log.read_text()[-3000:]
+    return proc.returncode, log_lines(log)
+
+
+def test_a_real_worker_with_another_env_is_refused_and_exits_3(start_broker, tmp_path) -> None:
+    broker = start_broker()
+    Worker(broker.ctx, broker.ingest_port).hello(SPEC)  # the run's spec: test:Dummy-v0
+    broker.wait_for(lambda r: r["spec"] is not None, "adoption")
+    log = tmp_path / "worker.log"
+    code, lines = run_worker(broker, log, "--envs", "1")
+    assert code == EXIT_REFUSED, log.read_text()[-3000:]
     err = [e for e in lines if e.get("event") == "refused; exiting"]
     assert err and err[0]["cause"] == "bad_spec" and SPEC.hash in err[0]["reason"]
     assert broker.status()["refused"] == {"bad_spec": 1}
     assert broker.status()["inserted_segments"] == 0
+    broker.stop()
+
+
+def test_a_real_worker_whose_segments_cannot_fit_the_brokers_cap_exits_3_before_sending(start_broker,
+                                                                                        tmp_path) -> None:
+    """The welcome announces the broker's message cap: a worker whose every segment would be dropped as
+    ``oversize`` says why and stops, instead of stepping envs for nothing."""
+    broker = start_broker("network.max_message_mb=1")
+    log = tmp_path / "worker.log"
+    # Reacher: 4097 x 8 observations of 10 floats alone are 1.3 MB
+    code, lines = run_worker(broker, log, "--envs", "8", "--set", "worker.segment_length=4096")
+    assert code == EXIT_REFUSED, log.read_text()[-3000:]
+    err = [e for e in lines if e.get("event") == "refused; exiting"]
+    assert err and err[0]["cause"] == "bad_shape" and "max_message_mb" in err[0]["reason"]
+    assert broker.status()["inserted_segments"] == 0 and "oversize" not in broker.status()["drops"]
     broker.stop()
 
 
@@ -145,8 +193,11 @@ def test_learner_refuses_a_snapshot_for_another_spec_and_counts_bad_requests() -
     assert reply.kind == "refused" and reply["cause"] == "bad_spec" and OTHER.hash in reply["reason"]
     assert ask(make("snapshot", spec_hash=SPEC.hash)) == [svc.weights]
     assert parse(ask([b"\xc1"])).kind == "error"
+    v1 = parse(ask(with_header(make("snapshot", spec_hash=SPEC.hash), v=1)))  # a peer of protocol v1
+    assert v1.kind == "refused" and v1["cause"] == "bad_version" and v1.header["v"] == 1
+    assert "v2" in v1["reason"]
     report = parse(ask(make("status")))["report"]
-    assert report["request_drops"] == {"refused_bad_spec": 1, "malformed": 1}
+    assert report["request_drops"] == {"refused_bad_spec": 1, "malformed": 1, "bad_version": 1}
     assert report["requests_served"] == {"snapshot": 2, "status": 1}  # the refused one was understood
     assert report["identity"].startswith("learner-")
     req.close(0)

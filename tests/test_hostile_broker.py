@@ -22,6 +22,7 @@ import zmq
 from zclaw import __version__
 from zclaw.wire import make
 from zclaw.wire.limits import MAX_REPORT_WORKERS
+from zclaw.wire.protocol import PROTOCOL_VERSION
 
 #: a status report of the broker, encoded, stays under this whatever peers sent (64 workers x ~2.5 kB)
 REPORT_BOUND = 256 << 10
@@ -60,7 +61,7 @@ def check_healthy(broker: Any) -> Dict[str, Any]:
 
 def hello(identity: str, host: str = "h", **extra: Any) -> List[Any]:
     return make("hello", role="worker", identity=identity, host=host, pid=os.getpid(), zclaw=__version__,
-                spec=SPEC.to_dict(), **extra)
+                spec=SPEC.to_dict(), **{"segment_length": None, **extra})
 
 
 @pytest.fixture
@@ -127,8 +128,8 @@ def test_huge_parts_shapes_get_an_error_reply_and_count_no_internal(live) -> Non
     broker, worker, ctx, rng = live
     for shape, frames in (([2, 2 ** 39, 2 ** 39], [b"abcd", b"abcd"]), ([2, 2 ** 20, 2 ** 20], [b"abcd"] * 2),
                           ([0, 2 ** 39, 2 ** 39], [b""])):
-        parts = [len(frames)] if len(frames) > 1 else []
-        header = {"v": 1, "kind": "status", "arrays": [["x", "<f4", shape, *parts]]}
+        parts = [0, [1] * len(frames)] if len(frames) > 1 else []  # along axis 0, one row per frame
+        header = {"v": PROTOCOL_VERSION, "kind": "status", "arrays": [["x", "<f4", shape, *parts]]}
         reply = broker.request([msgpack.packb(header)] + frames)
         assert reply.kind == "error", reply
         push = Worker(ctx, broker.ingest_port, identity="p")

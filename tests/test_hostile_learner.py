@@ -78,7 +78,8 @@ def _req(svc: server._Service, timeout_ms: int = 5000) -> LazyPirate:
 
 def huge_parts_status() -> List[bytes]:
     """ONE status request whose header lists parts of shape [2, 2**39, 2**39], with two 4-byte frames."""
-    header = {"kind": "status", "v": PROTOCOL_VERSION, "arrays": [["x", "<f4", [2, 1 << 39, 1 << 39], 2]]}
+    header = {"kind": "status", "v": PROTOCOL_VERSION,
+              "arrays": [["x", "<f4", [2, 1 << 39, 1 << 39], 0, [1, 1]]]}
     return [msgpack.packb(header, use_bin_type=True), b"\x00" * 4, b"\x00" * 4]
 
 

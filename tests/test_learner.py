@@ -21,6 +21,8 @@ from support.waiting import wait_until
 import zmq
 from zmq.utils.monitor import recv_monitor_message
 
+from support.batches import batch_layout
+
 from zclaw.config import defaults
 from zclaw.learner import checkpoint as ckpt
 from zclaw.policy.weights import model_from_weights
@@ -49,8 +51,8 @@ def synthetic_batch(keys: List[int], rng: np.random.Generator, version: int) -> 
         "is_weight": np.ones(B, np.float32),
     }
     arrays["truncated"][1, T - 1, 0] = True
-    return make("batch", arrays, keys=keys, workers=["w0"] * B, seqs=keys, spec_hash=SPEC.hash,
-                episodes=[{"return": -5.0, "length": 50}])
+    return make("batch", batch_layout(arrays), keys=keys, columns=[N] * B, workers=["w0"] * B, seqs=keys,
+                spec_hash=SPEC.hash, episodes=[{"return": -5.0, "length": 50}])
 
 
 class BrokerStandIn(threading.Thread):
@@ -97,7 +99,7 @@ class BrokerStandIn(threading.Thread):
         if msg.kind == "hello":  # the learner's handshake: the welcome names the env spec once there is one
             spec = SPEC.to_dict() if self.spec_ready.is_set() else None
             return make("welcome", role="broker", identity="broker-standin", host="h", pid=1, zclaw="0",
-                        spec=spec)
+                        spec=spec, segment_length=T, max_message_bytes=1 << 30)
         with self.lock:
             entry = {k: msg.get(k) for k in ("batch_size", "version", "priority_keys", "priorities")}
             self.requests.append(entry)

@@ -19,13 +19,13 @@ import numpy as np
 import pytest
 import torch
 
+from support.batches import batch_message
+
 from zclaw import config
 from zclaw.envs import make_env
 from zclaw.learner.trainer import Trainer
 from zclaw.policy.networks import OptionPolicy
 from zclaw.policy.weights import policy_config
-from zclaw.wire import make, parse
-from zclaw.wire.messages import batch_dims
 
 pytestmark = pytest.mark.slow
 
@@ -80,11 +80,7 @@ def as_batch(spec, segments: List[Dict[str, np.ndarray]]):
     arrays["final_obs"] = np.concatenate(fo).astype(np.float32)
     arrays["final_at"] = np.concatenate(fa).astype(np.int32)
     arrays["is_weight"] = np.ones(len(segments), np.float32)
-    B = len(segments)
-    msg = parse(make("batch", arrays, keys=list(range(B)), workers=["w"] * B, seqs=list(range(B)),
-                     episodes=[], spec_hash=spec.hash), ("batch",))
-    batch_dims(msg, spec)
-    return msg
+    return batch_message(spec, arrays)
 
 
 def mean_return(env, model: OptionPolicy, state: dict, episodes: int) -> float:

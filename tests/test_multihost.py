@@ -60,7 +60,7 @@ def test_netns_cluster_trains_across_namespaces_with_curve(tmp_path: Path) -> No
     listening = [e for e in events if e.get("event") == "broker listening"]
     assert listening and listening[0]["host"] == "10.77.0.1" and listening[0]["curve"] is True
     up = [e for e in events if e.get("event") == "learner up"]
-    assert up and up[0]["broker"] == "tcp://10.77.0.1:5556" and up[0]["curve"] is True
+    assert up and up[0]["brokers"] == ["tcp://10.77.0.1:5556"] and up[0]["curve"] is True
 
     # everything was torn down: no namespace of the run and no process left
     names = subprocess.run(["ip", "netns", "list"], capture_output=True, text=True).stdout.split()

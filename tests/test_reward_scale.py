@@ -43,9 +43,10 @@ def feed(scaler: RewardScaler, reward: np.ndarray, done: np.ndarray, T: int, wor
     segs = [(reward[i:i + T], done[i:i + T]) for i in range(0, reward.shape[0], T)]
     for i in range(0, len(segs), per_batch):
         chunk = segs[i:i + per_batch]
-        r = np.stack([c[0] for c in chunk])  # [B, T, N]
-        d = np.stack([c[1] for c in chunk])
-        scaler.update(r, d, [worker] * len(chunk), [first_seq + i + j for j in range(len(chunk))])
+        r = np.concatenate([c[0] for c in chunk], axis=1)  # [T, B*N]: the batch's columns
+        d = np.concatenate([c[1] for c in chunk], axis=1)
+        scaler.update(r, d, [reward.shape[1]] * len(chunk), [worker] * len(chunk),
+                      [first_seq + i + j for j in range(len(chunk))])
 
 
 def test_consecutive_segments_give_the_statistics_of_the_whole_stream() -> None:
@@ -56,13 +57,28 @@ def test_consecutive_segments_give_the_statistics_of_the_whole_stream() -> None:
     assert scaler.std == pytest.approx(reference_std(reward, done, 0.99), rel=1e-6)
 
 
+def test_workers_of_different_env_counts_in_one_batch_each_chain_their_own_stream() -> None:
+    """Protocol v2: one batch holds a 2-env and a 3-env worker's segments (columns [2, 3], then [3, 2] in the
+    next batch); each worker's return carry follows its own columns."""
+    rng = np.random.default_rng(3)
+    (ra, da), (rb, db) = stream(rng, 640, 2), stream(rng, 640, 3)
+    scaler = RewardScaler(gamma=0.99)
+    for i, t in enumerate(range(0, 640, 64)):
+        parts = [(ra, da, 2, "wa"), (rb, db, 3, "wb")][::1 if i % 2 == 0 else -1]
+        scaler.update(np.concatenate([p[0][t:t + 64] for p in parts], axis=1),
+                      np.concatenate([p[1][t:t + 64] for p in parts], axis=1),
+                      [p[2] for p in parts], [p[3] for p in parts], [i, i])
+    both = reference_std(np.concatenate([ra, rb], axis=1), np.concatenate([da, db], axis=1), 0.99)
+    assert scaler.std == pytest.approx(both, rel=1e-6)
+
+
 def test_a_segment_that_does_not_follow_its_workers_last_one_starts_from_zero() -> None:
     reward, done = np.ones((20, 1)), np.zeros((20, 1), bool)
     a, b = RewardScaler(gamma=0.9), RewardScaler(gamma=0.9)
-    a.update(reward[None, :10], done[None, :10], ["w"], [0])
-    b.update(reward[None, :10], done[None, :10], ["w"], [0])
-    a.update(reward[None, 10:], done[None, 10:], ["w"], [1])  # continues: returns keep growing
-    b.update(reward[None, 10:], done[None, 10:], ["w"], [5])  # a gap: starts again from 0
+    a.update(reward[:10], done[:10], [1], ["w"], [0])
+    b.update(reward[:10], done[:10], [1], ["w"], [0])
+    a.update(reward[10:], done[10:], [1], ["w"], [1])  # continues: returns keep growing
+    b.update(reward[10:], done[10:], [1], ["w"], [5])  # a gap: starts again from 0
     assert a.mean > b.mean
     assert b.mean == pytest.approx(sum((1 - 0.9 ** (k + 1)) / 0.1 for k in range(10)) / 10, rel=1e-3)
 
@@ -82,8 +98,8 @@ def test_scaled_rewards_do_not_depend_on_the_reward_unit() -> None:
 
 def test_scale_clips_and_ignores_non_finite_returns() -> None:
     scaler = RewardScaler(gamma=0.0, clip=5.0)
-    r = np.array([[[1.0, -1.0, np.inf, np.nan]]])  # [B=1, T=1, N=4]
-    scaler.update(r, np.zeros_like(r, bool), ["w"], [0])
+    r = np.array([[1.0, -1.0, np.inf, np.nan]])  # [T=1, C=4]
+    scaler.update(r, np.zeros_like(r, bool), [4], ["w"], [0])
     assert math.isfinite(scaler.std) and scaler.std == pytest.approx(1.0, rel=1e-3)
     got = scaler.scale(torch.tensor([100.0, -100.0, 0.5]))
     assert got.tolist()[:2] == [5.0, -5.0] and got[2] == pytest.approx(0.5 / scaler.std)
@@ -91,9 +107,9 @@ def test_scale_clips_and_ignores_non_finite_returns() -> None:
 
 def test_carries_are_bounded() -> None:
     scaler = RewardScaler(gamma=0.9, max_workers=3)
-    one = np.ones((1, 4, 2))
+    one = np.ones((4, 2))
     for i in range(10):
-        scaler.update(one, np.zeros_like(one, bool), [f"w{i}"], [0])
+        scaler.update(one, np.zeros_like(one, bool), [2], [f"w{i}"], [0])
     assert len(scaler._carry) == 3 and set(scaler._carry) == {"w7", "w8", "w9"}
 
 

@@ -237,7 +237,7 @@ def test_allowed_roles_train_and_strangers_get_nothing_through_any_socket(
             push.connect(ep["ingest"])
             ident = f"intruder-{label}"
             push.send_multipart(make("hello", role="worker", identity=ident, host="x", pid=1, zclaw="0",
-                                     spec=spec.to_dict()))
+                                     spec=spec.to_dict(), segment_length=32))
             arrays = random_segment(spec, 32, 4, rng, version=0)
             push.send_multipart(make("segment", arrays, worker=ident, seq=0, spec_hash=spec.hash,
                                      episodes=[]))

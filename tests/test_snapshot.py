@@ -8,9 +8,9 @@ from pathlib import Path
 import numpy as np
 import pytest
 from support.logs import parse_lines
-from support.peers import SPEC, T, N, Worker, assert_same_segment, seg_arrays
+from support.peers import SPEC, T, N, Worker, seg_arrays
 from support.procs import children
-from synthetic import random_segment
+from synthetic import assert_same_segment, random_segment
 
 from zclaw.broker import snapshot
 from zclaw.broker.store import Store
@@ -126,7 +126,7 @@ def test_broker_snapshots_while_ingesting_and_restores_after_sigkill(
     assert batch.kind == "batch", batch.header
     assert batch["seqs"] == [1, 2, 3, 4, 5, 0] and batch["workers"][-1] == "w1-new"
     for b, seg in enumerate(sent[1:] + [later]):
-        assert_same_segment(batch, b, seg.arrays)
+        assert_same_segment(batch.arrays, batch["columns"], b, seg.arrays)
     w2.close()
 
     t0 = time.monotonic()

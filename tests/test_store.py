@@ -6,14 +6,14 @@ from typing import Any, Dict, List, Optional
 
 import numpy as np
 import pytest
-from synthetic import random_segment
+from synthetic import assert_same_segment, random_segment
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 from zclaw.broker import Store
-from zclaw.broker.store import MIN_PRIORITY, lag_buckets
+from zclaw.broker.store import MIN_PRIORITY, SampledBatch, lag_buckets
 from zclaw.broker.sumtree import SumTree
-from zclaw.wire.messages import SEGMENT_ARRAYS, EnvSpec, Segment, parse
+from zclaw.wire.messages import EnvSpec, Segment, parse
 from zclaw.wire.protocol import Message, WireError
 
 SPEC = EnvSpec("test:Dummy-v0", (3,), (2,), (-1.0, -1.0), (1.0, 1.0))
@@ -32,14 +32,8 @@ def seg_msg(arrays: Dict[str, np.ndarray], seq: int = 0, worker: str = "w0", epi
     return parse(seg.frames(), ["segment"])
 
 
-def assert_segment_equal(batch_arrays: Dict[str, np.ndarray], b: int, arrays: Dict[str, np.ndarray]) -> None:
-    for name in SEGMENT_ARRAYS:
-        got, want = batch_arrays[name][b], arrays[name]
-        assert got.dtype == want.dtype and got.shape == want.shape, name
-        assert got.tobytes() == want.tobytes(), name
-    rows = batch_arrays["final_at"][:, 0] == b
-    assert batch_arrays["final_at"][rows, 1:].tobytes() == arrays["final_at"].tobytes()
-    assert batch_arrays["final_obs"][rows].tobytes() == arrays["final_obs"].tobytes()
+def assert_segment_equal(batch: SampledBatch, b: int, arrays: Dict[str, np.ndarray]) -> None:
+    assert_same_segment(batch.arrays, batch.columns, b, arrays)
 
 
 # ------------------------------------------------------------------------------------- unit tests
@@ -48,7 +42,7 @@ def assert_segment_equal(batch_arrays: Dict[str, np.ndarray], b: int, arrays: Di
 def test_segment_comes_back_bit_for_bit_with_truncation_rows() -> None:
     rng = np.random.default_rng(0)
     store = Store(SPEC, capacity=4, mode="queue", max_reuse=1)
-    segs = [seg_arrays(5, 3, rng, version=7, M=m) for m in (2, 0, 3)]
+    segs = [seg_arrays(5, n, rng, version=7, M=m) for n, m in ((3, 2), (1, 0), (4, 3))]  # workers differ in N
     eps = [[{"return": 1.5, "length": 9, "success": True}], [], [{"return": -2.0, "length": 4}]]
     for i, (a, e) in enumerate(zip(segs, eps)):
         assert store.insert(seg_msg(a, seq=10 + i, worker=f"w{i}", episodes=e)) == i
@@ -56,11 +50,12 @@ def test_segment_comes_back_bit_for_bit_with_truncation_rows() -> None:
     assert batch is not None
     assert batch.keys == [0, 1, 2] and batch.seqs == [10, 11, 12] and batch.workers == ["w0", "w1", "w2"]
     for b, a in enumerate(segs):
-        assert_segment_equal(batch.arrays, b, a)
-    assert batch.arrays["final_at"].shape == (5, 3) and batch.arrays["final_obs"].shape == (5, 3)
+        assert_segment_equal(batch, b, a)
+    assert batch.columns == [3, 1, 4] and batch.arrays["obs"].shape == (6, 8, 3)
+    assert batch.arrays["final_at"].shape == (5, 2) and batch.arrays["final_obs"].shape == (5, 3)
     assert batch.arrays["is_weight"].dtype == np.float32 and (batch.arrays["is_weight"] == 1).all()
     assert batch.episodes == eps[0] + eps[2]
-    assert batch.lag_hist["0"] == 3 * 5 * 3 and store.fill == 0
+    assert batch.lag_hist["0"] == 5 * (3 + 1 + 4) and store.fill == 0
 
 
 def test_arrays_are_copies_not_views_of_the_ring() -> None:
@@ -70,7 +65,7 @@ def test_arrays_are_copies_not_views_of_the_ring() -> None:
     store.insert(seg_msg(a))
     batch = store.sample(1, 0)
     store.insert(seg_msg(seg_arrays(2, 2, rng), seq=1))  # overwrites the only slot
-    assert_segment_equal(batch.arrays, 0, a)
+    assert_segment_equal(batch, 0, a)
 
 
 def test_bad_segments_raise_and_leave_stored_data_alone() -> None:
@@ -87,7 +82,7 @@ def test_bad_segments_raise_and_leave_stored_data_alone() -> None:
     assert exc.value.cause == "bad_spec"
     assert store.fill == 1 and store.inserted == 1
     batch = store.sample(1, 0)
-    assert_segment_equal(batch.arrays, 0, good)
+    assert_segment_equal(batch, 0, good)
 
 
 def test_full_ring_evicts_oldest_and_counts_unused() -> None:
@@ -229,7 +224,7 @@ def test_store_invariants(capacity: int, mode: str, max_reuse: int, ops: list, s
             if mode == "queue":
                 assert batch.keys == before[:arg]
             for b, k in enumerate(batch.keys):
-                assert_segment_equal(batch.arrays, b, originals[k])
+                assert_segment_equal(batch, b, originals[k])
                 uses[k] += 1
                 if max_reuse:
                     assert uses[k] <= max_reuse

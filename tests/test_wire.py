@@ -1,4 +1,4 @@
-"""Protocol v1: golden messages pin the bytes; every malformed input is a WireError, never a crash."""
+"""Protocol v2: golden messages pin the bytes; every malformed input is a WireError, never a crash."""
 from __future__ import annotations
 
 import importlib.util
@@ -12,6 +12,7 @@ from hypothesis import strategies as st
 
 from zclaw.wire import EnvSpec, WireError, decode, encode, make, pack, parse, segment_dims, unpack
 from zclaw.wire.messages import SCHEMAS, batch_dims
+from zclaw.wire.protocol import PROTOCOL_VERSION, Parts, peer_version
 
 GOLDEN = Path(__file__).resolve().parent / "golden"
 _spec = importlib.util.spec_from_file_location("golden_generate", GOLDEN / "generate.py")
@@ -23,13 +24,13 @@ def load_golden(kind: str) -> list:
     return msgpack.unpackb((GOLDEN / f"{kind}.msg").read_bytes(), raw=False)
 
 
-@pytest.mark.parametrize("kind", sorted(SCHEMAS))
+@pytest.mark.parametrize("kind", sorted(SCHEMAS) + ["refused_v1"])
 def test_golden_files_decode_and_encoder_reproduces_them(kind: str) -> None:
     frames = load_golden(kind)
     msg = parse(frames)
-    assert msg.kind == kind
+    assert msg.kind == kind.split("_")[0]
     assert golden.messages()[kind] == frames, (
-        "today's encoder no longer produces the pinned bytes of protocol v1"
+        "today's encoder no longer produces the pinned bytes of protocol v2"
     )
 
 
@@ -42,38 +43,75 @@ def test_golden_segment_contents_and_layout() -> None:
     assert msg["seq"] == 12 and msg["episodes"][0]["length"] == 50
 
 
-def test_golden_batch_layout() -> None:
+def test_golden_batch_layout_joins_segments_of_different_env_counts_along_the_env_axis() -> None:
     msg = parse(load_golden("batch"))
-    assert batch_dims(msg, golden.SPEC) == (2, 3, 2, 2)
-    for name, arr in golden.segment_arrays().items():  # parts arrive stacked on the leading B axis
-        if name not in ("final_obs", "final_at"):
-            np.testing.assert_array_equal(msg.arrays[name], np.stack([arr, arr]))
-            assert msg.arrays[name].flags.c_contiguous
+    assert batch_dims(msg, golden.SPEC) == (2, 3, 3, 2)  # B, T, C (2 + 1 columns), M
+    assert msg["columns"] == [2, 1]
+    seg = golden.segment_arrays()
+    for name, arr in seg.items():
+        if name in ("final_obs", "final_at"):
+            continue
+        got = msg.arrays[name]
+        if name == "policy_version":  # per segment, stacked
+            np.testing.assert_array_equal(got, np.stack([arr, arr]))
+            continue
+        # columns 0-1: segment 0's two envs; column 2: segment 1, which is env 1 of the same data
+        np.testing.assert_array_equal(got[:, :2], arr)
+        np.testing.assert_array_equal(got[:, 2], arr[:, 1])
+        assert got.flags.c_contiguous
+    np.testing.assert_array_equal(msg.arrays["final_at"], [[1, 1], [1, 2]])
 
 
-def test_parts_travel_one_frame_each_and_decode_stacked() -> None:
-    parts = [np.full((3, 2), i, np.float32) for i in range(4)]
-    frames = encode({"kind": "x"}, {"a": parts, "b": np.arange(3)})
+def test_v1_messages_are_refused_as_bad_version_and_the_refusal_is_readable_in_v1() -> None:
+    for f in sorted((GOLDEN / "v1").glob("*.msg")):
+        frames = msgpack.unpackb(f.read_bytes(), raw=False)
+        if f.stem == "refused":  # its fields never change: readable at any version
+            assert parse(frames).kind == "refused"
+            continue
+        with pytest.raises(WireError) as exc:
+            parse(frames)
+        assert exc.value.cause == "bad_version", f.stem
+        assert peer_version(frames) == 1
+    header = msgpack.unpackb(load_golden("refused_v1")[0], raw=False)
+    assert header["v"] == 1 and set(header) == {"v", "kind", "reason", "cause", "arrays"}
+    v1_refused = msgpack.unpackb(msgpack.unpackb((GOLDEN / "v1" / "refused.msg").read_bytes(), raw=False)[0],
+                                 raw=False)
+    assert set(header) == set(v1_refused)  # the same map v1's own refusal was
+
+
+def test_parts_travel_one_frame_each_and_decode_joined_along_their_axis() -> None:
+    parts = [np.full((3, i + 1, 2), i, np.float32) for i in range(4)]  # env counts 1..4
+    frames = encode({"kind": "x"}, {"a": Parts(parts, axis=1), "b": np.arange(3)})
     assert len(frames) == 1 + 4 + 1
     assert all(np.shares_memory(np.frombuffer(f, np.float32), p)
                for f, p in zip(frames[1:5], parts))  # no copy
+    joined = np.concatenate(parts, axis=1)
     msg = decode(frames)
-    np.testing.assert_array_equal(msg.arrays["a"], np.stack(parts))
-    np.testing.assert_array_equal(decode(unpack(pack(frames))).arrays["a"], np.stack(parts))
-    with pytest.raises(ValueError):
-        encode({"kind": "x"}, {"a": [np.zeros(2, np.float32), np.zeros(3, np.float32)]})
-    one = encode({"kind": "x"}, {"a": parts[:1]})  # a single part is sent as a plain [1, ...] array
-    assert len(one) == 2 and decode(one).arrays["a"].shape == (1, 3, 2)
+    np.testing.assert_array_equal(msg.arrays["a"], joined)
+    np.testing.assert_array_equal(decode(unpack(pack(frames))).arrays["a"], joined)
+    lead = [np.full((i + 1, 2), i, np.float32) for i in range(3)]  # axis 0 too
+    np.testing.assert_array_equal(decode(encode({"kind": "x"}, {"a": Parts(lead, 0)})).arrays["a"],
+                                  np.concatenate(lead))
+    with pytest.raises(ValueError):  # parts must agree outside the axis
+        encode({"kind": "x"}, {"a": Parts([np.zeros((2, 1), np.float32), np.zeros((3, 1), np.float32)], 1)})
+    with pytest.raises(ValueError):  # a bare list is ambiguous: Parts says how to join
+        encode({"kind": "x"}, {"a": [np.zeros(2, np.float32)] * 2})
+    one = encode({"kind": "x"}, {"a": Parts(parts[:1], 1)})  # a single part is sent as a plain array
+    assert len(one) == 2 and decode(one).arrays["a"].shape == (3, 1, 2)
 
 
 @pytest.mark.parametrize("entry, cause", [
-    (["a", "<f4", [3, 2], 2], "bad_shape"),  # parts must equal the first dimension
-    (["a", "<f4", [1, 2], 1], "bad_shape"),  # an explicit part count is 2 or more
-    (["a", "<f4", [5000, 2], 5000], "bad_shape"),  # over MAX_PARTS
-    (["a", "<f4", [2, 1 << 30], 2], "bad_length"),  # lengths are checked before anything is allocated
+    (["a", "<f4", [3, 2], 0, [1, 1]], "bad_shape"),  # sizes must add up to the axis's dimension
+    (["a", "<f4", [2, 2], 0, [2]], "bad_shape"),  # an explicit split has 2 parts or more
+    (["a", "<f4", [2, 2], 2, [1, 1]], "bad_shape"),  # the axis must exist
+    (["a", "<f4", [2, 2], 0, [2, 0]], "bad_shape"),  # no empty part
+    (["a", "<f4", [2, 2], 0, [True, 1]], "bad_shape"),  # sizes are ints
+    (["a", "<f4", [5000, 2], 0, [1] * 5000], "bad_shape"),  # over MAX_PARTS
+    (["a", "<f4", [2, 1 << 30], 0, [1, 1]], "bad_length"),  # lengths are checked before any allocation
+    (["a", "<f4", [2, 2], 0], "malformed"),  # v1's 4-entry form is not v2
 ])
 def test_bad_part_entries_are_wire_errors(entry: list, cause: str) -> None:
-    header = msgpack.packb({"v": 1, "kind": "x", "arrays": [entry]}, use_bin_type=True)
+    header = msgpack.packb({"v": PROTOCOL_VERSION, "kind": "x", "arrays": [entry]}, use_bin_type=True)
     with pytest.raises(WireError) as exc:
         decode([header, b"\0" * 8, b"\0" * 8])
     assert exc.value.cause == cause
@@ -113,7 +151,8 @@ def _with_header(frames: list, **changes: object) -> list:
     [
         (lambda f: [b"\xc1garbage"], "malformed"),
         (lambda f: [], "malformed"),
-        (lambda f: _with_header(f, v=2), "bad_version"),
+        (lambda f: _with_header(f, v=1), "bad_version"),
+        (lambda f: _with_header(f, v=3), "bad_version"),
         (lambda f: _with_header(f, kind="launch_missiles"), "unknown_kind"),
         (lambda f: _with_header(f, seq="twelve"), "malformed"),
         (lambda f: f[:-1], "bad_length"),
@@ -273,7 +312,8 @@ def test_received_arrays_are_sent_on_as_their_frames(tcp_pair) -> None:
     stored = msg.arrays["big"].view()
     stored.flags.writeable = False
     frames = encode({"kind": "status"}, {"big": stored, "row": msg.arrays["big"][3],
-                                         "mine": big, "parts": [msg.arrays["big"], msg.arrays["big"]]})
+                                         "mine": big,
+                                         "parts": Parts([msg.arrays["big"], msg.arrays["big"]], 1)})
     assert frames[1] is received[1]  # the received frame itself
     assert not isinstance(frames[2], zmq.Frame) and not isinstance(frames[3], zmq.Frame)
     assert frames[4] is received[1] and frames[5] is received[1]
@@ -282,4 +322,4 @@ def test_received_arrays_are_sent_on_as_their_frames(tcp_pair) -> None:
     np.testing.assert_array_equal(back.arrays["big"], big)
     np.testing.assert_array_equal(back.arrays["row"], big[3])
     np.testing.assert_array_equal(back.arrays["mine"], big)
-    np.testing.assert_array_equal(back.arrays["parts"], np.stack([big, big]))
+    np.testing.assert_array_equal(back.arrays["parts"], np.concatenate([big, big], axis=1))

@@ -17,7 +17,7 @@ from zclaw.broker.store import Store
 from zclaw.config import load as load_config
 from zclaw.wire import Segment, WireError, decode, make, pack, parse
 from zclaw.wire.limits import MAX_BATCH_SEGMENTS, MAX_EPISODES, MAX_SEGMENT_HEADER_BYTES, MAX_TEXT_CHARS
-from zclaw.wire.protocol import ALLOWED_DTYPES
+from zclaw.wire.protocol import ALLOWED_DTYPES, PROTOCOL_VERSION
 
 DTYPES = sorted(ALLOWED_DTYPES)
 dims = st.one_of(st.integers(0, 4), st.sampled_from([2 ** 20, 2 ** 39, 2 ** 40 - 1, 2 ** 40]))
@@ -31,13 +31,13 @@ def messages(draw: Any) -> List[bytes]:
     for i, (dtype, shape, parted) in enumerate(draw(st.lists(entries, max_size=4))):
         entry: List[Any] = [f"a{i}", dtype, shape]
         count = 1
-        if parted and shape and 2 <= shape[0] <= 4:
-            entry.append(shape[0])
+        if parted and shape and 2 <= shape[0] <= 4:  # in parts along axis 0, one row each
+            entry += [0, [1] * shape[0]]
             count = shape[0]
         descr.append(entry)
         for _ in range(count + draw(st.integers(-1, 1))):
             frames.append(b"\x01" * draw(st.integers(0, 64)))
-    header = msgpack.packb({"v": 1, "kind": "status", "arrays": descr})
+    header = msgpack.packb({"v": PROTOCOL_VERSION, "kind": "status", "arrays": descr})
     return [header] + frames
 
 
@@ -55,7 +55,8 @@ def test_decode_raises_wire_error_or_returns_no_more_than_received(frames: List[
 
 
 def test_the_issue_parts_shape_is_a_wire_error_in_either_form() -> None:
-    header = msgpack.packb({"v": 1, "kind": "status", "arrays": [["x", "<f4", [2, 2 ** 39, 2 ** 39], 2]]})
+    header = msgpack.packb({"v": PROTOCOL_VERSION, "kind": "status",
+                            "arrays": [["x", "<f4", [2, 2 ** 39, 2 ** 39], 0, [1, 1]]]})
     for frames in ([header, b"abcd", b"abcd"], [pack([header, b"abcd", b"abcd"])]):
         with pytest.raises(WireError):
             parse(frames)
@@ -126,7 +127,7 @@ def test_no_header_a_peer_sends_makes_the_broker_count_internal(kind: str, chang
     cfg = load_config(None, [])
     broker = Broker(cfg, _Log())
     good = {"hello": make("hello", role="worker", identity="w", host="h", pid=1, zclaw="x",
-                          spec=SPEC.to_dict()),
+                          spec=SPEC.to_dict(), segment_length=2),
             "segment": _segment(), "status": make("status"),
             "sample": make("sample", batch_size=1, version=0, priority_keys=[], priorities=[])}
     broker.on_ingest(good["hello"])

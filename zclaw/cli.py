@@ -48,18 +48,28 @@ def main() -> None:
 @click.option("--run-dir", type=click.Path(file_okay=False), default=None,
               help="Store snapshots go here (RUN_DIR/snapshots); the latest is restored at start.")
 @click.option("--fresh", is_flag=True, help="Start with an empty store even if RUN_DIR holds a snapshot.")
+@click.option("--shard", type=click.IntRange(min=0), default=0, show_default=True,
+              help="Which entry of network.brokers this broker is: it binds that entry's ports and keeps its "
+                   "own snapshot (RUN_DIR/snapshots/store-shardN.npz). Ignored without network.brokers.")
 @click.option("--insecure", is_flag=True, default=None, help=_INSECURE_HELP)
 def broker(
-    config: Optional[str], overrides: Sequence[str], run_dir: Optional[str], fresh: bool,
+    config: Optional[str], overrides: Sequence[str], run_dir: Optional[str], fresh: bool, shard: int,
     insecure: Optional[bool]
 ) -> None:
-    """Run the broker: PULL segments from workers into the store, serve batches and status (ROUTER)."""
+    """Run the broker: PULL segments from workers into the store, serve batches and status (ROUTER).
+
+    A run may have several brokers (shards, network.brokers): start one per entry with --shard N."""
     cfg = _load(config, overrides, {"security.insecure": insecure})
     from .broker.server import main as broker_main
+    from .fleet import as_shard
     from .startup import start_process
 
+    try:
+        cfg = as_shard(cfg, shard)
+    except ValueError as exc:
+        raise click.BadParameter(str(exc), param_hint="--shard") from None
     log = start_process("broker", cfg)
-    sys.exit(broker_main(cfg, log, Path(run_dir) if run_dir else None, restore=not fresh))
+    sys.exit(broker_main(cfg, log, Path(run_dir) if run_dir else None, restore=not fresh, shard=shard))
 
 
 @main.command()
@@ -69,14 +79,43 @@ def broker(
 @click.option("--resume", is_flag=True,
               help="Continue from RUN_DIR's latest checkpoint (version counter continues).")
 @click.option("--insecure", is_flag=True, default=None, help=_INSECURE_HELP)
+@click.option("--nproc", type=click.IntRange(min=1), default=None,
+              help="Start this many data-parallel learner ranks on this machine and watch them (one process "
+                   "each; gloo on CPU, NCCL and one GPU per rank with learner.device = cuda). A rank that "
+                   "dies stops the others; the exit code is non-zero then.")
 def learner(
-    config: Optional[str], overrides: Sequence[str], run_dir: str, resume: bool, insecure: Optional[bool]
+    config: Optional[str], overrides: Sequence[str], run_dir: str, resume: bool, insecure: Optional[bool],
+    nproc: Optional[int],
 ) -> None:
     """Run the learner: request batches (Lazy Pirate), train, publish versioned weights
-    (PUB + Clone snapshot)."""
+    (PUB + Clone snapshot).
+
+    Data-parallel ranks (torch.distributed; docs/cluster.md): --nproc N starts N ranks here. On several
+    machines start them with torchrun, which sets RANK, WORLD_SIZE, LOCAL_RANK, MASTER_ADDR and MASTER_PORT:
+
+    \b
+      torchrun --nnodes 2 --nproc-per-node 8 --rdzv-backend c10d --rdzv-endpoint HEAD:29500 \\
+          -m zclaw.cli learner --config run.toml --run-dir RUN_DIR
+
+    Each rank asks the broker for its own batches; gradients are averaged and the observation and reward
+    statistics merged across the ranks, so they train one policy; rank 0 alone publishes weights, answers
+    snapshots and `zclaw status`, and writes checkpoints and metrics (network.learner_host names its
+    machine). --resume: rank 0 loads the checkpoint and every rank starts from it."""
     cfg = _load(config, overrides, {"security.insecure": insecure})
-    from .learner.server import main as learner_main
     from .startup import start_process
+
+    if nproc is not None and nproc > 1:
+        import os
+
+        if os.environ.get("WORLD_SIZE") not in (None, "", "1"):
+            raise click.UsageError("--nproc starts its own ranks, but this process is already a rank of a "
+                                   "group (WORLD_SIZE is set, e.g. by torchrun): drop --nproc")
+        from .learner.ranks import rank_argv, run as run_ranks
+
+        log = start_process("learner", cfg)
+        sys.exit(run_ranks(rank_argv(config, overrides, run_dir, resume, insecure), nproc,
+                           float(cfg["run"]["stop_grace_s"]), log))
+    from .learner.server import main as learner_main
 
     log = start_process("learner", cfg)
     sys.exit(learner_main(cfg, log, Path(run_dir), resume))
@@ -118,6 +157,9 @@ def worker(
               help="Stop after this many seconds (run.time). Without --steps, no step limit applies: "
                    "the run lasts this long whatever run.steps says.")
 @click.option("--workers", type=int, default=None, help="Worker processes (run.workers).")
+@click.option("--brokers", type=int, default=None,
+              help="Broker processes, each a shard of the store (run.brokers); worker i feeds shard i mod N, "
+                   "the learner samples every shard.")
 @click.option("--run-dir", type=click.Path(file_okay=False), default=None,
               help="Run directory (run.run_dir; default runs/<start time>).")
 @click.option("--resume", is_flag=True,
@@ -127,8 +169,8 @@ def worker(
               help=_INSECURE_HELP + " Only matters with network.bind_host.")
 def train(
     config: Optional[str], overrides: Sequence[str], env: Optional[str], steps: Optional[int],
-    time_s: Optional[float], workers: Optional[int], run_dir: Optional[str], resume: bool,
-    insecure: Optional[bool],
+    time_s: Optional[float], workers: Optional[int], brokers: Optional[int], run_dir: Optional[str],
+    resume: bool, insecure: Optional[bool],
 ) -> None:
     """Train on one machine: broker, learner and workers as separate processes on loopback.
 
@@ -150,7 +192,7 @@ def train(
     if time_s is not None and steps is None:
         steps = 0  # --time alone means what it says: no step cap (run.steps) ends the run earlier
     cfg = _load(config, overrides, {"run.env": env, "run.steps": steps, "run.time": time_s,
-                                    "run.workers": workers, "run.run_dir": run_dir,
+                                    "run.workers": workers, "run.brokers": brokers, "run.run_dir": run_dir,
                                     "security.insecure": insecure})
     if not cfg["run"]["steps"] and not cfg["run"]["time"]:
         raise click.UsageError("give a stopping point: --steps N or --time SECONDS (run.steps / run.time)")
@@ -267,7 +309,7 @@ def status(
     except config_mod.ConfigError as exc:
         raise click.UsageError(str(exc)) from None
     try:
-        b = status_mod.endpoint(broker_ep, "--broker") if broker_ep else b_default
+        b = [status_mod.endpoint(broker_ep, "--broker")] if broker_ep else b_default
         L = status_mod.endpoint(learner_ep, "--learner") if learner_ep else l_default
     except ValueError as exc:
         raise click.UsageError(str(exc)) from None

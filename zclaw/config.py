@@ -84,6 +84,8 @@ SCHEMA: Dict[str, Dict[str, Key]] = {
         "steps": Key(1_000_000, "stop `zclaw train` after this many env steps (0: no limit)", min=0),
         "time": Key(0.0, "stop `zclaw train` after this many seconds of wall time (0: no limit)", min=0),
         "workers": Key(1, "worker processes `zclaw train` starts", min=1, max=256),
+        "brokers": Key(1, "broker processes (shards) `zclaw train` starts on loopback (network.brokers is "
+                       "filled with their ports); worker i feeds shard i mod brokers", min=1, max=16),
         "run_dir": Key("runs/{time}", "run directory; {time} is replaced by the start time"),
         "stop_grace_s": Key(60.0, "`zclaw train`: seconds from Ctrl-C/SIGTERM (or the end of the run) until "
                             "every role has exited; what still runs then is SIGKILLed", min=5),
@@ -107,6 +109,9 @@ SCHEMA: Dict[str, Dict[str, Key]] = {
         "request_timeout_ms": Key(3000, "Lazy Pirate: wait this long for a reply before reconnecting",
                                   min=10),
         "bind_host": Key("", "address servers bind (empty: the host they are reached at)"),
+        "brokers": Key([], "broker shards as \"host:ingest_port:serve_port\" strings (empty: the one "
+                       "broker at broker_host, ingest_port, serve_port); worker i feeds shard i mod len, the "
+                       "learner samples every shard, `zclaw broker --shard N` binds entry N", type=list),
     },
     "worker": {
         "envs": Key(16, "environments stepped by each worker", min=1),
@@ -133,7 +138,7 @@ SCHEMA: Dict[str, Dict[str, Key]] = {
                               "task rewards are O(1)-O(1e3) per step", min=1),
     },
     "broker": {
-        "capacity": Key(64, "segments the store holds (preallocated ring)", min=1),
+        "capacity": Key(64, "segments the store holds (a ring; each segment of its worker's T x N)", min=1),
         "mode": Key("queue", "sampling mode", choices=("queue", "uniform", "prioritized")),
         "min_size": Key(1, "segments stored before the first batch is served", min=1),
         "max_reuse": Key(1, "times a segment may be sampled (0: unlimited; queue needs >= 1)", min=0),
@@ -309,7 +314,28 @@ def _validate_cross(cfg: Dict[str, Dict[str, Any]]) -> None:
                           "<backend>:<id>, e.g. gym:Reacher-v5")
 
 
-VALIDATORS: List[Callable[[Dict[str, Dict[str, Any]]], None]] = [_validate_hidden, _validate_cross]
+def _validate_brokers(cfg: Dict[str, Dict[str, Any]]) -> None:
+    from .fleet import parse_address
+
+    seen = set()
+    for entry in cfg["network"]["brokers"]:
+        try:
+            a = parse_address(entry) if isinstance(entry, str) else None
+        except ValueError as exc:
+            a, why = None, str(exc)
+        else:
+            why = "expected a string"
+        if a is None:
+            raise ConfigError(f"config key network.brokers = {cfg['network']['brokers']!r} is not allowed: "
+                              f"{why}; expected a list of \"host:ingest_port:serve_port\" strings")
+        for port in (a.ingest_port, a.serve_port):
+            if (a.host, port) in seen:
+                raise ConfigError(f"config key network.brokers lists {a.host}:{port} twice")
+            seen.add((a.host, port))
+
+
+VALIDATORS: List[Callable[[Dict[str, Dict[str, Any]]], None]] = [
+    _validate_hidden, _validate_cross, _validate_brokers]
 
 
 def defaults() -> Dict[str, Dict[str, Any]]:

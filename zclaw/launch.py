@@ -30,6 +30,7 @@ from typing import Any, Callable, Dict, List, Optional, Sequence, Tuple
 import zmq
 
 from . import config as config_mod
+from .fleet import broker_shards, merge_reports
 from .stopping import EXIT_CANNOT_START, EXIT_FAILED, EXIT_OK, EXIT_REFUSED, StopSignals
 from .security import Security
 from .wire import LazyPirate, make, tcp
@@ -163,6 +164,24 @@ class StatusClient:
         self.pirate.close()
 
 
+class ShardsStatus:
+    """Every broker shard's status as one report (their total, :func:`zclaw.fleet.merge_reports`; the one
+    broker's own report when there is one): what the progress bar and the summary read."""
+
+    def __init__(self, ctx: zmq.Context, shards: List[Any], curve: Any = None) -> None:
+        self.clients = [StatusClient(ctx, tcp("127.0.0.1", a.serve_port), curve=curve) for a in shards]
+
+    def report(self) -> Optional[Dict[str, Any]]:
+        reports = [c.report() for c in self.clients]
+        if len(reports) == 1:
+            return reports[0]
+        return merge_reports(reports) if any(reports) else None
+
+    def close(self) -> None:
+        for c in self.clients:
+            c.close()
+
+
 def resolve_run_dir(pattern: str) -> Path:
     return Path(pattern.replace("{time}", time.strftime("%Y%m%d-%H%M%S")))
 
@@ -175,6 +194,11 @@ def prepare(cfg: Dict[str, Dict[str, Any]], run_dir: Path) -> Path:
     net["broker_host"] = net["learner_host"] = "127.0.0.1"
     for key in ("ingest_port", "serve_port", "publish_port", "learner_port"):
         net[key] = free_port()
+    shards = int(cfg["run"].get("brokers", 1))
+    # several brokers: shard 0 on the ports above, each other on two more (zclaw.fleet)
+    net["brokers"] = ([f"127.0.0.1:{net['ingest_port']}:{net['serve_port']}"]
+                      + [f"127.0.0.1:{free_port()}:{free_port()}" for _ in range(shards - 1)]
+                      if shards > 1 else [])
     cfg["run"]["run_dir"] = str(run_dir)
     path = run_dir / "config.toml"
     path.write_text(config_mod.to_toml(cfg))
@@ -269,8 +293,13 @@ def train(
         has_ckpt = (run_dir / "checkpoints" / "latest.pt").exists()
         return learner_argv + (["--resume"] if has_ckpt else [])
 
-    children = [Child("broker", broker_argv + ([] if resume else ["--fresh"]), logs / "broker.log",
-                      restart_argv=lambda: broker_argv)]
+    shards = broker_shards(cfg)
+    children = []
+    for i in range(len(shards)):  # one broker per shard ("broker" when there is one), each on its snapshot
+        name = "broker" if len(shards) == 1 else f"broker{i}"
+        argv = broker_argv + (["--shard", str(i)] if len(shards) > 1 else [])
+        children.append(Child(name, argv + ([] if resume else ["--fresh"]), logs / f"{name}.log",
+                              restart_argv=lambda argv=argv: argv))
     children.append(Child("learner", learner_argv + (["--resume"] if resume else []), logs / "learner.log",
                           restart_argv=learner_restart))
     for i in range(cfg["run"]["workers"]):
@@ -283,7 +312,7 @@ def train(
     ctx = zmq.Context()
     net = cfg["network"]
     sec = Security.from_config(cfg, "tools")  # the launcher asks for status as the "tools" client
-    broker_status = StatusClient(ctx, tcp("127.0.0.1", net["serve_port"]), curve=sec.client("broker"))
+    broker_status = ShardsStatus(ctx, shards, curve=sec.client("broker"))
     learner_status = StatusClient(ctx, tcp("127.0.0.1", net["learner_port"]), curve=sec.client("learner"))
 
     def kill_children() -> None:

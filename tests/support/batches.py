@@ -13,18 +13,33 @@ from zclaw import config
 from zclaw.policy.networks import OptionPolicy
 from zclaw.policy.weights import policy_config
 from zclaw.wire import EnvSpec, Message, make, parse
-from zclaw.wire.messages import batch_dims
+from zclaw.wire.messages import ENV_ARRAYS, batch_dims
 
 
 def spec_of(obs_dim: int, act_dim: int) -> EnvSpec:
     return EnvSpec("test:Synthetic-v0", (obs_dim,), (act_dim,), (-1.0,) * act_dim, (1.0,) * act_dim)
 
 
+def batch_layout(arrays: Dict[str, np.ndarray]) -> Dict[str, np.ndarray]:
+    """B segments of N envs each, stacked ``[B, T, N, ...]`` with ``final_at`` rows (b, t, n) (how a test
+    writes them), in the wire's batch layout: joined along the env axis into ``[T, B*N, ...]`` columns
+    (column ``b*N + n`` is env n of segment b), ``final_at`` rows (t, c)."""
+    B, T, N = arrays["action"].shape[:3]
+    out = {name: np.ascontiguousarray(np.swapaxes(arrays[name], 0, 1).reshape(
+        (arrays[name].shape[1], B * N) + arrays[name].shape[3:])) for name in ENV_ARRAYS}
+    fa = np.asarray(arrays["final_at"], np.int32).reshape(-1, 3)
+    out["final_at"] = np.stack([fa[:, 1], fa[:, 0] * N + fa[:, 2]], axis=1).astype(np.int32).reshape(-1, 2)
+    for name in ("policy_version", "final_obs", "is_weight"):
+        out[name] = arrays[name]
+    return out
+
+
 def batch_message(spec: EnvSpec, arrays: Dict[str, np.ndarray], episodes: Optional[list] = None) -> Message:
-    """Encode ``arrays`` as a real ``batch`` message and parse it back (what the learner receives)."""
-    B = arrays["action"].shape[0]
-    frames = make("batch", arrays, keys=list(range(B)), workers=["w"] * B, seqs=list(range(B)),
-                  episodes=episodes or [], spec_hash=spec.hash)
+    """Encode ``arrays`` (stacked segments, see :func:`batch_layout`) as a real ``batch`` message and parse it
+    back (what the learner receives)."""
+    B, _, N = arrays["action"].shape[:3]
+    frames = make("batch", batch_layout(arrays), keys=list(range(B)), columns=[N] * B, workers=["w"] * B,
+                  seqs=list(range(B)), episodes=episodes or [], spec_hash=spec.hash)
     msg = parse(frames, ("batch",))
     batch_dims(msg, spec)
     return msg

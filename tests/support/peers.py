@@ -3,8 +3,7 @@ real peer would send over TCP.
 
 * :class:`Worker`: a worker's PUSH to the broker's ingest (``hello``, segments), speaking the protocol;
   :data:`SPEC` is its env spec, :data:`T` x :data:`N` its segments' shape, :func:`seg_arrays` their
-  arrays (built by ``synthetic.random_segment``, tests/synthetic.py), :func:`with_header` forges a header,
-  :func:`assert_same_segment` finds a segment sent back in a batch, bit for bit.
+  arrays (built by ``synthetic.random_segment``, tests/synthetic.py), :func:`with_header` forges a header.
 * :class:`StandInLearner`: a learner's PUB (weights every 100 ms) and ROUTER (``snapshot``), which also
   answers the worker's ``hello`` handshake as the broker would.
 """
@@ -24,8 +23,7 @@ from zclaw import __version__, config
 from zclaw.policy.networks import OptionPolicy
 from zclaw.policy.weights import policy_config, weights_message
 from zclaw.wire import bind, make_socket
-from zclaw.wire.messages import SEGMENT_ARRAYS, EnvSpec, Segment, make, parse
-from zclaw.wire.protocol import Message
+from zclaw.wire.messages import EnvSpec, Segment, make, parse
 
 #: the env spec of the broker tests' stand-in worker, and its segments' steps x envs
 SPEC = EnvSpec("test:Dummy-v0", (10,), (2,), (-1.0, -1.0), (1.0, 1.0))
@@ -46,19 +44,8 @@ def with_header(frames: List[Any], **changes: Any) -> List[Any]:
     return [msgpack.packb(header, use_bin_type=True)] + list(frames[1:])
 
 
-def assert_same_segment(batch: Message, b: int, arrays: Dict[str, np.ndarray]) -> None:
-    """Segment ``b`` of ``batch`` is ``arrays``, bit for bit, every array with its dtype and shape."""
-    for name in SEGMENT_ARRAYS:
-        got, want = batch.arrays[name][b], arrays[name]
-        assert got.dtype == want.dtype and got.shape == want.shape, name
-        assert got.tobytes() == want.tobytes(), name
-    rows = batch.arrays["final_at"][:, 0] == b
-    assert batch.arrays["final_at"][rows, 1:].tobytes() == arrays["final_at"].tobytes()
-    assert batch.arrays["final_obs"][rows].tobytes() == arrays["final_obs"].tobytes()
-
-
 class Worker:
-    """A stand-in worker: a real PUSH socket speaking protocol v1."""
+    """A stand-in worker: a real PUSH socket speaking protocol v2."""
 
     def __init__(self, ctx: zmq.Context, port: int, identity: str = "w0-test") -> None:
         self.sock = ctx.socket(zmq.PUSH)
@@ -67,9 +54,10 @@ class Worker:
         self.identity = identity
         self.seq = 0
 
-    def hello(self, spec: EnvSpec = SPEC) -> None:
+    def hello(self, spec: EnvSpec = SPEC, segment_length: Optional[int] = None) -> None:
+        """On ingest; ``segment_length`` None leaves the run's T to the first segment."""
         self.send(make("hello", role="worker", identity=self.identity, host="testhost", pid=os.getpid(),
-                       zclaw=__version__, spec=spec.to_dict()))
+                       zclaw=__version__, spec=spec.to_dict(), segment_length=segment_length))
 
     def segment(
         self,
@@ -131,7 +119,7 @@ class StandInLearner:
                     self.hellos += 1
                     self.router.send_multipart([ident, empty] + make(
                         "welcome", role="broker", identity="broker-standin", host="h", pid=1, zclaw="0",
-                        spec=msg["spec"]))
+                        spec=msg["spec"], segment_length=msg["segment_length"], max_message_bytes=1 << 30))
             if self.published is not None and time.monotonic() - last_pub > 0.1:
                 self.pub.send(self.published)
                 last_pub = time.monotonic()

@@ -256,7 +256,8 @@ class WorkerProcess:
 
 
 def role_pids(train_pid: int) -> Dict[str, int]:
-    """role name (broker, learner, worker0, ...) -> pid of ``train``'s live children."""
+    """role name (broker, learner, worker0, ...; broker0, broker1, ... with several shards) -> pid of
+    ``train``'s live children."""
     roles: Dict[str, int] = {}
     for pid in children(train_pid):
         try:
@@ -266,7 +267,9 @@ def role_pids(train_pid: int) -> Dict[str, int]:
         args = [a.decode() for a in argv]
         for role in ("broker", "learner", "worker"):
             if role in args:
-                name = role + (args[args.index("--index") + 1] if role == "worker" else "")
+                name = role + (args[args.index("--index") + 1] if role == "worker" else
+                               args[args.index("--shard") + 1] if role == "broker" and "--shard" in args
+                               else "")
                 roles[name] = pid
     return roles
 

@@ -51,7 +51,8 @@ from ..tokens import TokenBucket
 from ..wire.limits import (INGEST_HEADER_BYTES, MAX_BATCH_SEGMENTS, MAX_REPORT_WORKERS,
                            MAX_REQUEST_HEADER_BYTES, REQUEST_SOCKET_BYTES, header_length)
 from ..wire.messages import EnvSpec, make, max_segment_bytes, parse
-from ..wire.protocol import MAX_HEADER_BYTES, PROTOCOL_VERSION, Frame, Message, WireError
+from ..wire.protocol import (MAX_HEADER_BYTES, PROTOCOL_VERSION, Frame, Message, WireError, encode_refusal,
+                             peer_version)
 from .. import startup
 from ..stopping import EXIT_FAILED, EXIT_OK
 from ..wire.sockets import (DEFAULT_MAX_MESSAGE_BYTES, DropCounter, bind, make_socket, rebind, recv_frames,
@@ -217,6 +218,7 @@ class WorkerInfo:
         self.last_seen = now
         self.segments = 0
         self.steps = 0
+        self.envs: Optional[int] = None  # env count N of its last segment (workers differ: protocol v2)
         self.version: Optional[int] = None
         self.version_t = now  # when ``version`` last changed: how long the worker has acted on those weights
         self.rate = RateMeter(now=now)
@@ -228,6 +230,7 @@ class WorkerInfo:
 
     def report(self, now: float) -> Dict[str, Any]:
         return {
+            "envs": self.envs,
             "out_of_range": self.out_of_range,
             "resources": self.resources,
             "host": self.host,
@@ -347,6 +350,7 @@ class Broker:
                 raise WireError("bad_spec", detail)
         if msg["role"] != "worker":
             return
+        self._fix_segment_length(msg["segment_length"])
         info = self._worker(msg["identity"], time.monotonic())
         info.host = msg["host"]
         info.pid = msg["pid"]
@@ -379,18 +383,20 @@ class Broker:
             raise WireError("no_spec", "segment before any worker hello told the env spec")
         first = self.store.T is None
         try:
-            self.store.insert(msg)  # validates everything before writing; raises WireError
+            key = self.store.insert(msg)  # validates everything before writing; raises WireError
         except WireError as exc:
             if exc.cause == "out_of_range":  # a blown-up simulator: whose, in the status report
                 self._worker(msg["worker"], time.monotonic()).out_of_range += 1
             raise
         if first:
-            self.log.info("store allocated", T=self.store.T, N=self.store.N, capacity=self.store.capacity)
+            self.log.info("segment length fixed", T=self.store.T, source=msg["worker"])
         now = time.monotonic()
-        steps = int(self.store.T * self.store.N)  # type: ignore[operator]
+        envs = self.store.columns(key)
+        steps = int(self.store.T * envs)  # type: ignore[operator]
         self.limiter.on_insert(1)
         self.insert_meter.add(steps, now)
         info = self._worker(msg["worker"], now)
+        info.envs = envs
         info.segments += 1
         info.steps += steps
         info.rate.add(steps, now)
@@ -446,9 +452,9 @@ class Broker:
                 reply = self._on_sample(msg)
         except WireError as exc:
             self.drops.drop(exc.cause, str(exc))
-            if exc.cause == "bad_version":  # another protocol: a clear refusal, not a generic error
-                reply = self._refuse("?", exc.cause,
-                                     f"{exc}; this broker speaks protocol v{PROTOCOL_VERSION}")
+            if exc.cause == "bad_version":  # another protocol: a clear refusal, in the peer's version
+                reply = self._refuse("?", exc.cause, f"{exc}; this broker speaks protocol "
+                                     f"v{PROTOCOL_VERSION}", version=peer_version(body))
             else:
                 reply = make("error", reason=str(exc)[:500])
         except Exception as exc:
@@ -466,13 +472,20 @@ class Broker:
         if spec_d is None and role == "worker":
             return self._refuse(who, "no_spec", "a worker hello must carry its env spec")
         if spec_d is not None:
-            spec = EnvSpec.from_dict(spec_d)  # raises WireError("bad_spec") if incomplete
+            try:
+                spec = EnvSpec.from_dict(spec_d)
+            except WireError as exc:  # a client that cannot describe its env cannot be served: say so
+                return self._refuse(who, "bad_spec", str(exc))
             if self.spec is None:
                 self._adopt(spec, who)
             elif spec.hash != self.spec.hash:
                 return self._refuse(who, "bad_spec", f"env spec {spec.hash} ({spec.env_id}) differs from the "
                                     f"run's {self.spec.hash} ({self.spec.env_id})")
         if role == "worker":
+            T = msg["segment_length"]
+            if T is None or T < 1:
+                return self._refuse(who, "bad_shape", "a worker hello must carry its segment_length (>= 1)")
+            self._fix_segment_length(T)
             info = self._worker(who, time.monotonic())
             info.host, info.pid = msg["host"], msg["pid"]
             info.resources = resources_from_wire(msg.get("resources"))  # the heartbeat's, every 5 s
@@ -484,9 +497,18 @@ class Broker:
                           zclaw=msg["zclaw"])
         return make("welcome", role="broker", identity=self.identity, host=socket.gethostname(),
                     pid=os.getpid(), zclaw=__version__,
-                    spec=self.spec.to_dict() if self.spec is not None else None)
+                    spec=self.spec.to_dict() if self.spec is not None else None,
+                    segment_length=self.store.T if self.store is not None else None,
+                    max_message_bytes=int(self.max_bytes))
 
-    def _refuse(self, who: str, cause: str, reason: str) -> List[Frame]:
+    def _fix_segment_length(self, T: Any) -> None:
+        """The run's steps per segment: the first worker's (unless a snapshot or an earlier worker fixed it),
+        announced in every ``welcome``; a worker that said another T adopts the welcome's before it sends."""
+        if self.store is not None and self.store.T is None and isinstance(T, int) and T >= 1:
+            self.store.fix_segment_length(T)
+            self.log.info("segment length fixed", T=T)
+
+    def _refuse(self, who: str, cause: str, reason: str, version: Optional[int] = None) -> List[Frame]:
         """Count a refusal and log it (once a minute per client and cause: a retrying client cannot flood)."""
         self.refused[cause] += 1
         now = time.monotonic()
@@ -496,7 +518,7 @@ class Broker:
                 self._refusal_logged.clear()
             self._refusal_logged[key] = now
             self.log.warning("refused", client=who, cause=cause, reason=reason)
-        return make("refused", reason=reason[:500], cause=cause)
+        return encode_refusal(reason[:500], cause, version if version is not None else PROTOCOL_VERSION)
 
     def _retry(self, reason: str, wait_s: Optional[float] = None) -> List[Frame]:
         self.retries[reason] += 1
@@ -533,10 +555,12 @@ class Broker:
             "batch",
             batch.wire_arrays(),
             keys=batch.keys,
+            columns=batch.columns,
             workers=batch.workers,
             seqs=batch.seqs,
             episodes=batch.episodes,
             spec_hash=self.spec.hash,
+            fill=self.store.fill,
         )
         if len(reply[0]) > MAX_HEADER_BYTES:  # cannot happen with the wire's limits; counted if it does
             raise WireError("batch_unbuildable", f"batch header of {len(reply[0])} bytes > "
@@ -655,10 +679,18 @@ class Broker:
 
 def _restore(broker: Broker, path: Path, log: Any) -> None:
     """Restore the latest snapshot at ``path`` if there is one; log what was restored (or why not)."""
+    def reject(error: str, why: str) -> None:
+        kept = path.with_name(path.name + ".rejected")  # the next snapshot must not overwrite it unseen
+        try:
+            path.replace(kept)
+        except OSError:
+            kept = path
+        log.error(f"snapshot not restored: {why}; starting empty", path=str(kept), error=error)
+
     try:
         state = snapshot.load(path)
-    except snapshot.SnapshotError as exc:
-        log.error("snapshot not restored", path=str(path), error=str(exc))
+    except snapshot.SnapshotError as exc:  # unreadable, or another format (an older zclaw's)
+        reject(str(exc), "it cannot be read")
         return
     if state is None:
         log.info("no snapshot to restore", path=str(path))
@@ -667,13 +699,7 @@ def _restore(broker: Broker, path: Path, log: Any) -> None:
     try:
         n = broker.restore_snapshot(arrays, meta)
     except (ValueError, KeyError, TypeError, WireError) as exc:
-        kept = path.with_name(path.name + ".rejected")  # the next snapshot must not overwrite it unseen
-        try:
-            path.replace(kept)
-        except OSError:
-            kept = path
-        log.error("snapshot not restored: it does not fit this configuration; starting empty", path=str(kept),
-                  error=str(exc))
+        reject(str(exc), "it does not fit this configuration")
         return
     st = broker.store
     assert st is not None
@@ -690,6 +716,7 @@ def main(
     run_dir: Optional[Path] = None,
     stop: Optional[threading.Event] = None,
     restore: bool = True,
+    shard: int = 0,
 ) -> int:
     """Run the broker until SIGINT/SIGTERM (or ``stop`` is set); return the exit code (zclaw/stopping.py):
     0 on a clean stop, 1 when a port cannot be bound, 2 when it cannot start as configured.
@@ -697,12 +724,15 @@ def main(
     With ``run_dir`` the store is restored from ``run_dir/snapshots/store.npz`` at start, snapshotted
     every ``broker.snapshot_s`` seconds without pausing ingest, and once more on the way out;
     ``restore=False`` (``--fresh``) starts empty instead, and the next snapshot replaces the old one.
+    ``shard`` names the snapshot of a sharded run's broker (``cfg`` already holds that shard's address:
+    ``zclaw.fleet.as_shard``).
     """
-    return startup.run_role(log, lambda stop: _serve(cfg, log, run_dir, stop, restore), stop)
+    return startup.run_role(log, lambda stop: _serve(cfg, log, run_dir, stop, restore, shard), stop)
 
 
 def _serve(
-    cfg: Dict[str, Dict[str, Any]], log: Any, run_dir: Optional[Path], stop: threading.Event, restore: bool
+    cfg: Dict[str, Dict[str, Any]], log: Any, run_dir: Optional[Path], stop: threading.Event, restore: bool,
+    shard: int = 0,
 ) -> int:
     """:func:`main`'s body, run with the stop signals installed (zclaw/startup.py)."""
     net = cfg["network"]
@@ -715,7 +745,7 @@ def _serve(
         raise startup.CannotStart("bad broker configuration", error=str(exc)) from None
     snaps: Optional[snapshot.Snapshotter] = None
     if run_dir is not None:
-        path = snapshot.snapshot_path(run_dir)
+        path = snapshot.snapshot_path(run_dir, shard)
         snaps = snapshot.Snapshotter(path, cfg["broker"]["snapshot_s"], log, broker.snapshot_state,
                                      broker.snapshot_marker, mode=cfg["broker"]["snapshot_mode"])
         if restore:

@@ -42,7 +42,8 @@ import numpy.lib.format as npy_format
 
 from ..fileio import atomic_write, remove_stale_tmp
 
-FORMAT = 1
+#: 2: segments of any env count (protocol v2): data rows flat, with each segment's ``columns``
+FORMAT = 2
 #: niceness added to the snapshot child (the broker's own loop keeps priority)
 CHILD_NICE = 10
 #: how a periodic snapshot is written: from a thread (default), a forked child, or in the loop itself
@@ -58,16 +59,19 @@ class SnapshotError(RuntimeError):
     """A snapshot file that is unreadable or not in this format."""
 
 
-def snapshot_path(run_dir: Path) -> Path:
-    return Path(run_dir) / SNAPSHOT_DIR / SNAPSHOT_NAME
+def snapshot_path(run_dir: Path, shard: int = 0) -> Path:
+    """Where the broker of ``shard`` keeps its snapshot (shard 0: the one broker of an unsharded run)."""
+    name = SNAPSHOT_NAME if shard == 0 else SNAPSHOT_NAME.replace(".", f"-shard{shard}.", 1)
+    return Path(run_dir) / SNAPSHOT_DIR / name
 
 
 def write(path: Path, arrays: Dict[str, Any], meta: Dict[str, Any]) -> None:
     """Write one snapshot atomically (tmp file, fsync, rename).
 
-    A value is an array, or a list of same-shaped rows (a store's slots by reference), which is
-    streamed row by row into one stacked ``.npy`` entry: a full store is never copied whole, and
-    the archive reads back with plain ``np.load``.
+    A value is an array, or a list of rows of one dtype (a store's slots by reference), which is
+    streamed row by row into one ``.npy`` entry, stacked when the rows share a shape and else joined
+    flat (1-D rows of different lengths: segments of different env counts): a full store is never
+    copied whole, and the archive reads back with plain ``np.load``.
     """
     blob = json.dumps(dict(meta, format=FORMAT), separators=(",", ":")).encode()
     payload: Dict[str, Any] = {}
@@ -76,8 +80,10 @@ def write(path: Path, arrays: Dict[str, Any], meta: Dict[str, Any]) -> None:
         a = np.asarray(rows[0] if rows else v)
         if a.dtype.hasobject:  # would be pickled; load() refuses pickles, so refuse to write one
             raise ValueError(f"snapshot array {name!r} holds Python objects")
-        if rows and any(np.asarray(r).dtype != a.dtype or np.shape(r) != a.shape for r in rows):
-            raise ValueError(f"snapshot rows of {name!r} differ in dtype or shape")
+        if rows and any(np.asarray(r).dtype != a.dtype for r in rows):
+            raise ValueError(f"snapshot rows of {name!r} differ in dtype")
+        if rows and any(np.shape(r) != a.shape for r in rows) and any(np.ndim(r) != 1 for r in rows):
+            raise ValueError(f"snapshot rows of {name!r} differ in shape and are not all 1-D")
         payload[name] = rows if rows else a
     payload[META] = np.frombuffer(blob, dtype=np.uint8)
     atomic_write(path, lambda f: _write_npz(f, payload))
@@ -90,9 +96,11 @@ def _write_npz(f: Any, payload: Dict[str, Any]) -> None:
             with zf.open(name + ".npy", "w", force_zip64=True) as out:
                 if isinstance(value, list):
                     first = np.asarray(value[0])
+                    stacked = all(np.shape(r) == first.shape for r in value)
+                    shape = (len(value),) + first.shape if stacked else (sum(np.size(r) for r in value),)
                     npy_format.write_array_header_1_0(out, {
                         "descr": npy_format.dtype_to_descr(first.dtype), "fortran_order": False,
-                        "shape": (len(value),) + first.shape})
+                        "shape": shape})
                     for row in value:
                         out.write(memoryview(np.ascontiguousarray(row)).cast("B"))
                 else:
@@ -112,7 +120,9 @@ def load(path: Path) -> Optional[State]:
     except (OSError, ValueError, KeyError) as exc:
         raise SnapshotError(f"cannot read snapshot {path}: {exc}") from None
     if not isinstance(meta, dict) or meta.get("format") != FORMAT:
-        raise SnapshotError(f"snapshot {path} is not format {FORMAT}")
+        found = meta.get("format") if isinstance(meta, dict) else "?"
+        raise SnapshotError(f"snapshot {path} is format {found}, this broker reads format {FORMAT}: move it "
+                            "away to start with an empty store")
     return arrays, meta
 
 

@@ -1,11 +1,14 @@
 """The broker's store: a ring of ``capacity`` segment slots and the three ways to sample it.
 
 Layout: one :class:`~zclaw.broker.slots.SlotRing` per field of :data:`zclaw.wire.messages.SEGMENT_ARRAYS`,
-indexed like a ``[capacity, T+1, N, ...]`` array, made when the first segment is accepted, which fixes T
-and N for the run (the broker cannot know them before). A slot holds read-only references to the
-buffers the segment arrived in: no copy on insert, none on sample (a batch is sent from those buffers),
-and memory is bounded by ``capacity`` segments of that one shape. The sparse truncation data
-(``final_obs``/``final_at``, a few rows per segment) is kept per slot as small copies.
+indexed like a ``[capacity, T+1, N_slot, ...]`` array. T, the segment length, is one per run: fixed by
+:meth:`Store.fix_segment_length` (the first worker hello, announced in every ``welcome``) or by the
+first segment; N, the env count, is each worker's own (protocol v2), so workers with 8 and 4096 envs
+feed one store and a batch joins their *columns* (one env's T steps) along the env axis. A slot holds
+read-only references to the buffers the segment arrived in: no copy on insert, none on sample (a batch
+is sent from those buffers), and memory is bounded by ``capacity`` segments of the workers' sizes. The
+sparse truncation data (``final_obs``/``final_at``, a few rows per segment) is kept per slot as small
+copies.
 
 Keys: every insert gets the next integer key (0, 1, 2, ...); it lives in slot ``key % capacity``. A
 key is never reused, so a priority update that names a key that was evicted or used up is simply
@@ -41,8 +44,8 @@ from typing import Any, Dict, List, Optional, Sequence, Tuple
 
 import numpy as np
 
-from ..wire.messages import SEGMENT_ARRAYS, EnvSpec, segment_dims
-from ..wire.protocol import PART_MIN_BYTES, Message, WireError
+from ..wire.messages import ENV_ARRAYS, ENV_AXIS, SEGMENT_ARRAYS, EnvSpec, segment_dims
+from ..wire.protocol import PART_MIN_BYTES, Message, Parts, WireError
 from .balance import OptionBalancer
 from .slots import SlotRing, stack_parts
 from .sumtree import SumTree
@@ -64,6 +67,11 @@ def lag_buckets(lags: np.ndarray, weight: int = 1) -> Dict[str, int]:
     return {b: int(c) * weight for b, c in zip(LAG_BUCKETS, counts)}
 
 
+def join_columns(parts: List[np.ndarray]) -> np.ndarray:
+    """Segments' arrays joined along the env axis (a copy): the batch layout of one field."""
+    return parts[0] if len(parts) == 1 else np.concatenate(parts, axis=ENV_AXIS)
+
+
 @dataclass
 class SampledBatch:
     """What :meth:`Store.sample` returns: the batch's arrays plus per-segment metadata.
@@ -71,9 +79,9 @@ class SampledBatch:
     ``parts`` holds, per field of ``SEGMENT_ARRAYS``, the B segments' arrays by reference (the
     store's read-only received buffers, never written: see ``zclaw.broker.slots``), which the broker
     sends as they are, one frame per segment, for fields large enough to gain from it (:meth:`wire_arrays`);
-    ``extra`` holds ``final_obs`` ``[M, *obs_shape]`` with ``final_at`` rows ``(b, t, n)`` and
-    ``is_weight[B]`` (see ``zclaw.wire.messages.BATCH_EXTRA``).
-    :attr:`arrays` is the stacked batch layout the learner decodes. ``episodes`` holds the episode
+    ``extra`` holds ``final_obs`` ``[M, *obs_shape]`` with ``final_at`` rows ``(t, c)`` (c a batch
+    column) and ``is_weight[B]`` (see ``zclaw.wire.messages.BATCH_EXTRA``); ``columns[b]`` is segment b's
+    env count. :attr:`arrays` is the batch layout the learner decodes. ``episodes`` holds the episode
     stats of the segments sampled here for the first time only, so a learner counting them sees
     each episode once whatever ``max_reuse`` is.
     """
@@ -83,6 +91,7 @@ class SampledBatch:
     keys: List[int]
     workers: List[str]
     seqs: List[int]
+    columns: List[int] = field(default_factory=list)
     episodes: List[Dict[str, Any]] = field(default_factory=list)
     lag_hist: Dict[str, int] = field(default_factory=dict)
     #: the store slots the segments came from (what :meth:`Store.commit` counts a use of)
@@ -90,24 +99,34 @@ class SampledBatch:
 
     @property
     def arrays(self) -> Dict[str, np.ndarray]:
-        """Every field stacked on a leading B axis (copies), as the learner receives the batch."""
-        out: Dict[str, np.ndarray] = {name: stack_parts(p) for name, p in self.parts.items()}
+        """Every field in batch layout (copies), as the learner receives the batch: per-env fields joined
+        along the env axis, ``policy_version`` stacked ``[B, T]``."""
+        out: Dict[str, np.ndarray] = {name: join_columns(p) for name, p in self.parts.items()
+                                      if name in ENV_ARRAYS}
+        out["policy_version"] = stack_parts(self.parts["policy_version"])
         out.update(self.extra)
         return out
 
     def wire_arrays(self) -> Dict[str, Any]:
-        """What ``zclaw.wire.make("batch", ...)`` sends: the extras, and each field as per-segment parts
-        (no copy) when a segment's array is at least ``PART_MIN_BYTES``, else stacked into one frame.
+        """What ``zclaw.wire.make("batch", ...)`` sends: the extras, and each field as per-segment
+        :class:`Parts` (no copy) when a segment's array is at least ``PART_MIN_BYTES``, else joined into
+        one frame.
 
         Why both: parts are the received frames themselves, forwarded by reference count, but each costs
         per-frame work on both ends (send, receive, view, check); for a small field that work outweighs
-        one stacked copy of the same bytes in one frame. Large fields (observations) go as parts. The
-        broker sends the stacked frames with ``copy=True`` (see ``zclaw.broker.server``). Measured at
+        one joined copy of the same bytes in one frame. Large fields (observations) go as parts. The
+        broker sends the joined frames with ``copy=True`` (see ``zclaw.broker.server``). Measured at
         the default size (obs 42 KB per segment): forwarding observations as parts instead of stacking
         them made no difference beyond the noise, so the threshold stays at pyzmq's copy threshold.
         """
-        out: Dict[str, Any] = {name: (p if p[0].nbytes >= PART_MIN_BYTES else stack_parts(p))
-                               for name, p in self.parts.items()}
+        out: Dict[str, Any] = {}
+        for name, p in self.parts.items():
+            if name not in ENV_ARRAYS:
+                out[name] = stack_parts(p)
+            elif min(a.nbytes for a in p) >= PART_MIN_BYTES:
+                out[name] = Parts(p, ENV_AXIS)
+            else:
+                out[name] = join_columns(p)
         out.update(self.extra)
         return out
 
@@ -153,13 +172,14 @@ class Store:
         self.max_staleness = max_staleness
         self.alpha = float(alpha)
         self.beta = float(beta)
+        #: steps per segment, one per run (None until fixed); env counts are per slot (``_cols``)
         self.T: Optional[int] = None
-        self.N: Optional[int] = None
         self._rng = np.random.default_rng(seed)
         self._data: Dict[str, SlotRing] = {}
         C = capacity
         self._key = np.full(C, -1, dtype=np.int64)  # -1: empty slot
         self._uses = np.zeros(C, dtype=np.int64)
+        self._cols = np.zeros(C, dtype=np.int64)  # env count N of each stored segment
         self._min_version = np.zeros(C, dtype=np.int64)
         self._workers: List[str] = [""] * C
         self._seqs: List[int] = [0] * C
@@ -174,7 +194,7 @@ class Store:
         self._fill = 0
         #: segments the store itself discarded, by cause ("evicted_unused", "stale")
         self.drops: Counter = Counter()
-        #: version lag of every sampled step (x N envs), by bucket
+        #: version lag of every sampled transition (a step of a segment x its N envs), by bucket
         self.lag_hist: Dict[str, int] = {b: 0 for b in LAG_BUCKETS}
         self.inserted = 0
         self.inserted_steps = 0
@@ -214,6 +234,11 @@ class Store:
         slot = int(key) % self.capacity
         return slot if int(self._key[slot]) == int(key) else None
 
+    def columns(self, key: int) -> int:
+        """The env count N of the stored segment ``key`` (0 if it is not stored)."""
+        slot = self._slot_of(key)
+        return 0 if slot is None else int(self._cols[slot])
+
     def uses(self, key: int) -> Optional[int]:
         """Times the segment ``key`` was sampled, or None if it is not stored."""
         slot = self._slot_of(key)
@@ -239,11 +264,12 @@ class Store:
         frozen copy-on-write, where it costs the broker's loop nothing.
         """
         slots = np.flatnonzero(self._key >= 0)
-        arrays: Dict[str, np.ndarray] = {"slot": slots, "key": self._key[slots], "uses": self._uses[slots],
-                                         "min_version": self._min_version[slots]}
-        # slots by reference: no copy of the store (empty: a typed array)
+        arrays: Dict[str, Any] = {"slot": slots, "key": self._key[slots], "uses": self._uses[slots],
+                                  "min_version": self._min_version[slots], "columns": self._cols[slots]}
+        # slots by reference, each flattened (a view): no copy of the store, whatever each segment's N
         for name, data in self._data.items():
-            arrays["data." + name] = data.parts(slots) if len(slots) else data[slots]
+            arrays["data." + name] = ([a.reshape(-1) for a in data.parts(slots)] if len(slots)
+                                      else np.zeros(0, data.dtype))
         counts = [0 if self._final_at[s] is None else len(self._final_at[s]) for s in slots]
         arrays["final_count"] = np.asarray(counts, dtype=np.int64)
         fo = [self._final_obs[s] for s in slots if self._final_obs[s] is not None]
@@ -254,7 +280,7 @@ class Store:
             arrays["priority"] = self._tree.values()[slots]
         meta = {
             "spec": self.spec.to_dict(), "capacity": self.capacity, "mode": self.mode,
-            "T": self.T, "N": self.N,
+            "T": self.T,
             "workers": [self._workers[s] for s in slots], "seqs": [self._seqs[s] for s in slots],
             "episodes": [self._episodes[s] for s in slots], "next_key": self._next_key,
             "max_priority": self.max_priority, "inserted": self.inserted,
@@ -288,15 +314,26 @@ class Store:
             raise ValueError("snapshot truncation rows do not add up")
         if n and ((np.asarray(arrays["key"]) % self.capacity) != slots).any():
             raise ValueError("snapshot keys do not live in their slots")
+        cols = np.asarray(arrays["columns"], dtype=np.int64)
+        if len(cols) != n or (cols < 1).any():
+            raise ValueError("snapshot env counts are missing or out of range")
         if meta["T"] is not None:
-            T, N = int(meta["T"]), int(meta["N"])
+            T = int(meta["T"])
+            rows: Dict[str, List[np.ndarray]] = {}
             for name, (dtype, shape_of) in SEGMENT_ARRAYS.items():
-                a = np.asarray(arrays["data." + name])
-                if a.dtype != np.dtype(dtype) or a.shape != (n,) + tuple(shape_of(T, N, self.spec)):
-                    raise ValueError(f"snapshot array {name} is {a.dtype}{list(a.shape)}")
-            self._allocate(T, N)
+                a = np.asarray(arrays["data." + name]).reshape(-1)
+                shapes = [tuple(shape_of(T, int(N), self.spec)) for N in cols]
+                sizes = [int(np.prod(sh)) for sh in shapes]
+                if a.dtype != np.dtype(dtype) or a.size != sum(sizes):
+                    raise ValueError(f"snapshot array {name} is {a.dtype}[{a.size}], the segments need "
+                                     f"{np.dtype(dtype)}[{sum(sizes)}]")
+                ends = np.cumsum(sizes)
+                rows[name] = [a[e - k:e].reshape(sh) for e, k, sh in zip(ends, sizes, shapes)]
+            self._allocate(T)
             for name in SEGMENT_ARRAYS:
-                self._data[name][slots] = np.asarray(arrays["data." + name])
+                for s, row in zip(slots, rows[name]):
+                    self._data[name][int(s)] = row
+            self._cols[slots] = cols
         ends = np.cumsum(counts)
         for i, s in enumerate(slots):
             s = int(s)
@@ -325,17 +362,27 @@ class Store:
 
     # ----------------------------------------------------------------------------------- insert
 
-    def _allocate(self, T: int, N: int) -> None:
-        self.T, self.N = T, N
+    def fix_segment_length(self, T: int) -> None:
+        """Fix the run's steps per segment before the first segment (the broker does so from the first
+        worker hello and announces it in every ``welcome``); ``ValueError`` if another T is fixed."""
+        if isinstance(T, bool) or not isinstance(T, int) or T < 1:
+            raise ValueError(f"segment length {T!r} must be an integer >= 1")
+        if self.T is None:
+            self._allocate(T)
+        elif T != self.T:
+            raise ValueError(f"segment length {T} differs from the store's {self.T}")
+
+    def _allocate(self, T: int) -> None:
+        self.T = T
         for name, (dtype, shape_of) in SEGMENT_ARRAYS.items():
-            shape = (self.capacity,) + tuple(shape_of(T, N, self.spec))
-            self._data[name] = SlotRing(self.capacity, dtype, shape[1:])
+            self._data[name] = SlotRing(self.capacity, dtype, tuple(shape_of(T, None, self.spec)))
 
     def _remove(self, slot: int) -> None:
         for ring in self._data.values():
             ring.clear(slot)
         self._key[slot] = -1
         self._uses[slot] = 0
+        self._cols[slot] = 0
         self._episodes[slot] = []
         self._final_obs[slot] = None
         self._final_at[slot] = None
@@ -354,11 +401,12 @@ class Store:
         before anything is written, so a bad segment never touches stored data.
         """
         T, N, M = segment_dims(msg, self.spec)
-        if self.T is not None and (T, N) != (self.T, self.N):
-            raise WireError("bad_shape", f"segment is T={T} x N={N}, the store holds T={self.T} x N={self.N}")
+        if self.T is not None and T != self.T:
+            raise WireError("bad_shape", f"segment has T={T} steps, the run's segment_length is {self.T} "
+                            "(announced in the welcome)")
         self._check_range(msg)
         if self.T is None:
-            self._allocate(T, N)
+            self._allocate(T)
         key = self._next_key
         slot = key % self.capacity
         if self._key[slot] >= 0:  # the ring is full here: this slot holds the oldest segment
@@ -371,6 +419,7 @@ class Store:
         self._final_at[slot] = np.array(msg.arrays["final_at"], copy=True) if M else None
         self._key[slot] = key
         self._uses[slot] = 0
+        self._cols[slot] = N
         pv = msg.arrays["policy_version"]
         self._min_version[slot] = int(pv.min())
         self._workers[slot] = msg["worker"]
@@ -508,21 +557,26 @@ class Store:
 
     def _gather(self, slots: np.ndarray, is_weight: np.ndarray, learner_version: int) -> SampledBatch:
         parts = {name: self._data[name].parts(slots) for name in SEGMENT_ARRAYS}
+        columns = [int(n) for n in self._cols[slots]]
+        first_col = np.cumsum([0] + columns[:-1])  # the batch column of each segment's env 0
         extra: Dict[str, np.ndarray] = {}
         fo_parts, fa_parts = [], []
         for b, s in enumerate(slots):
             fa = self._final_at[s]
-            if fa is not None and len(fa):
-                fa_parts.append(np.concatenate([np.full((len(fa), 1), b, dtype=np.int32), fa], axis=1))
+            if fa is not None and len(fa):  # (t, n) of the segment -> (t, c) of the batch
+                fa_parts.append(np.stack([fa[:, 0], fa[:, 1] + first_col[b]], axis=1).astype(np.int32))
                 fo_parts.append(self._final_obs[s])
         if fo_parts:
             extra["final_obs"] = np.concatenate(fo_parts, axis=0).astype(np.float32, copy=False)
             extra["final_at"] = np.concatenate(fa_parts, axis=0).astype(np.int32, copy=False)
         else:
             extra["final_obs"] = np.zeros((0,) + tuple(self.spec.obs_shape), dtype=np.float32)
-            extra["final_at"] = np.zeros((0, 3), dtype=np.int32)
+            extra["final_at"] = np.zeros((0, 2), dtype=np.int32)
         extra["is_weight"] = is_weight
-        hist = lag_buckets(learner_version - np.concatenate(parts["policy_version"]), weight=int(self.N or 1))
+        hist = {b: 0 for b in LAG_BUCKETS}
+        for pv, n in zip(parts["policy_version"], columns):  # each step's lag counts once per env
+            for k, c in lag_buckets(learner_version - pv, weight=n).items():
+                hist[k] += c
         episodes: List[Dict[str, Any]] = []
         for s in slots:
             if self._uses[s] == 0:
@@ -533,6 +587,7 @@ class Store:
             keys=[int(self._key[s]) for s in slots],
             workers=[self._workers[s] for s in slots],
             seqs=[self._seqs[s] for s in slots],
+            columns=columns,
             episodes=episodes,
             lag_hist=hist,
             slots=slots,

@@ -45,10 +45,10 @@ from .. import __version__, logs
 from ..fileio import atomic_write, finite_json
 from ..policy.networks import OptionPolicy
 from ..policy.weights import policy_config, weights_message
-from ..wire import (
-    CreditPirate, DropCounter, EnvSpec, LazyPirate, Message, WireError, bind, make, make_socket, parse, tcp,
-)
+from ..fleet import broker_shards, merge_reports
+from ..wire import DropCounter, EnvSpec, Message, WireError, bind, make, make_socket, parse, tcp
 from ..wire.limits import REQUEST_SOCKET_BYTES
+from ..wire.protocol import PROTOCOL_VERSION, encode_refusal, peer_version
 from ..wire.messages import batch_dims
 from ..wire.sockets import CurveServer, term_context
 from ..telemetry import EpisodeWindow, RateMeter, ResourceMeter, cuda_index, resource_scalars
@@ -56,6 +56,8 @@ from ..tokens import TokenBucket
 from .. import startup
 from ..stopping import EXIT_CANNOT_START, EXIT_FAILED, EXIT_OK, EXIT_REFUSED
 from . import checkpoint as ckpt
+from . import distributed
+from .shards import ShardSampler, ShardWatch
 from .trainer import Trainer
 
 PUB_HWM = 4  # weights messages are large and only the newest matters: never queue many
@@ -302,6 +304,9 @@ class _Service(threading.Thread):
             msg = parse(body, ("snapshot", "status"))
         except WireError as exc:
             self.drops.drop(exc.cause, str(exc))
+            if exc.cause == "bad_version":  # another protocol: refused, in the peer's version, readably
+                return encode_refusal(f"{exc}; this learner speaks protocol v{PROTOCOL_VERSION}"[:500],
+                                      exc.cause, peer_version(body) or PROTOCOL_VERSION)
             return make("error", reason=f"not understood: {exc}"[:500])
         self.served[msg.kind] += 1
         if msg.kind == "status":
@@ -329,10 +334,15 @@ class Learner:
     """State of one learner process; :func:`main` runs it."""
 
     def __init__(
-        self, cfg: Dict[str, Dict[str, Any]], log: Any, run_dir: Path, stop: threading.Event
+        self, cfg: Dict[str, Dict[str, Any]], log: Any, run_dir: Path, stop: threading.Event,
+        sync: Optional[distributed.Sync] = None,
     ) -> None:
         self.cfg, self.log, self.run_dir, self.stop = cfg, log, Path(run_dir), stop
         self.lcfg = cfg["learner"]
+        #: data-parallel ranks (zclaw/learner/distributed.py): rank 0 alone binds PUB and ROUTER, publishes,
+        #: checkpoints and writes metrics; every rank trains and counts versions. Alone: rank 0 of 1.
+        self.sync = sync if sync is not None else distributed.Sync(device=self.lcfg["device"])
+        self.world = self.sync.world
         self.net = cfg["network"]
         # CURVE keys and the loopback rule first: raises startup.CannotStart before any socket exists
         self.security = startup.security(cfg, "learner", log,
@@ -342,10 +352,9 @@ class Learner:
         self.ctx = zmq.Context()
         self.pub: Optional[zmq.Socket] = None
         self.service: Optional[_Service] = None
-        self.broker: Optional[LazyPirate] = None  # status and hello: one question, one answer
-        #: the broker status asked for the metrics line: one try, a short wait, never in the way of training
-        self.broker_status: Optional[LazyPirate] = None
-        self.batches: Optional[CreditPirate] = None  # sample requests, learner.prefetch of them in flight
+        #: every broker shard: hello, batches (learner.prefetch requests in flight each), status (zclaw.fleet)
+        self.shards: Optional[ShardSampler] = None
+        self.shard_watch: Optional[ShardWatch] = None
         self.writer: Any = None
         self.spec: Optional[EnvSpec] = None
         self.model: Optional[OptionPolicy] = None
@@ -362,8 +371,6 @@ class Learner:
         self.drops = DropCounter(log, "batches")
         self.last_checkpoint: Optional[str] = None
         self.step_meter, self.update_meter = RateMeter(), RateMeter()  # env steps and updates trained
-        self.prio_keys: List[Any] = []
-        self.prios: List[float] = []
         self.last_metrics: Dict[str, Any] = {}
         self.refused: Optional[str] = None  # why the broker refused us, if it did
         self.options: Optional[Dict[str, Any]] = None  # OptionHealth.summary of the latest update
@@ -378,42 +385,48 @@ class Learner:
         return self.net["bind_host"] or host
 
     def open_sockets(self) -> Optional[str]:
-        """Bind PUB and start the ROUTER service thread; return an error text if a bind fails."""
+        """Bind PUB and start the ROUTER service thread (rank 0 only: other ranks only train); return an error
+        text if a bind fails."""
         max_bytes = int(self.net["max_message_mb"]) << 20
         host = self._bind_host(self.net["learner_host"])
-        self.pub = make_socket(self.ctx, zmq.PUB, max_message_bytes=max_bytes, hwm=PUB_HWM,
-                               curve=self.security.server())
-        try:
-            bind(self.pub, host, int(self.net["publish_port"]))
-        except zmq.ZMQError as exc:
-            return f"cannot bind learner PUB on {tcp(host, self.net['publish_port'])}: {exc}"
-        self.service = _Service(self.ctx, host, int(self.net["learner_port"]), max_bytes, self.log, self.stop,
-                                curve=self.security.server(), rate=float(self.lcfg["request_rate"]),
-                                burst=float(self.lcfg["request_burst"]))
-        self.service.start()
-        self.service.ready.wait(10)
-        if self.service.error:
-            return self.service.error
-        broker_at = tcp(self.net["broker_host"], int(self.net["serve_port"]))
+        if self.world.main:
+            self.pub = make_socket(self.ctx, zmq.PUB, max_message_bytes=max_bytes, hwm=PUB_HWM,
+                                   curve=self.security.server())
+            try:
+                bind(self.pub, host, int(self.net["publish_port"]))
+            except zmq.ZMQError as exc:
+                return f"cannot bind learner PUB on {tcp(host, self.net['publish_port'])}: {exc}"
+            self.service = _Service(self.ctx, host, int(self.net["learner_port"]), max_bytes, self.log,
+                                    self.stop, curve=self.security.server(),
+                                    rate=float(self.lcfg["request_rate"]),
+                                    burst=float(self.lcfg["request_burst"]))
+            self.service.start()
+            self.service.ready.wait(10)
+            if self.service.error:
+                return self.service.error
         client = dict(timeout_ms=int(self.net["request_timeout_ms"]), retries=None,
                       max_message_bytes=max_bytes, log=self.log, curve=self.security.client("broker"))
-        self.broker = LazyPirate(self.ctx, broker_at, **client)
-        self.broker_status = LazyPirate(self.ctx, broker_at,
-                                        **dict(client, retries=0, timeout_ms=STATUS_TIMEOUT_MS))
-        self.batches = CreditPirate(self.ctx, broker_at, credit=int(self.lcfg["prefetch"]), **client)
+        self.shards = ShardSampler(self.ctx, broker_shards(self.cfg), client,
+                                   credit=int(self.lcfg["prefetch"]), status_timeout_ms=STATUS_TIMEOUT_MS,
+                                   log=self.log, seed=int(self.cfg["run"]["seed"]))
+        # the brokers' status for metrics and the draw, asked in a thread: never in the way of training
+        metrics_s = float(self.cfg["log"].get("metrics_s", 0.0))
+        self.shard_watch = ShardWatch(self.shards, metrics_s if metrics_s > 0 else 5.0, self.stop)
+        self.shard_watch.start()
         self._report(state="waiting for env spec")
         return None
 
     def wait_for_spec(self) -> Optional[EnvSpec]:
         """Say ``hello`` to the broker until its ``welcome`` names the env spec (a worker said hello, or a
         snapshot was restored); None if stopped or refused (``self.refused`` says why)."""
-        assert self.broker is not None
+        assert self.shards is not None
         last_log = 0.0
-        ident = self.service.identity if self.service is not None else f"learner-{os.getpid()}"
+        ident = (self.service.identity if self.service is not None  # other ranks: an identity of their own
+                 else f"learner-{socket.gethostname()}-{os.getpid()}-rank{self.world.rank}")
         hello = make("hello", role="learner", identity=ident, host=socket.gethostname(), pid=os.getpid(),
-                     zclaw=__version__, spec=None)
+                     zclaw=__version__, spec=None, segment_length=None)
         while not self.stop.is_set():
-            reply = self.broker.request(hello, ("welcome", "refused"), stop=self.stop.is_set)
+            reply = self.shards.welcome(hello, stop=self.stop.is_set)
             if reply is None:
                 return None
             if reply.kind == "refused":
@@ -433,8 +446,9 @@ class Learner:
         return None
 
     def build(self, spec: EnvSpec, state: Optional[Dict[str, Any]]) -> None:
-        """Build the network and optimiser, from scratch or from a checkpoint (``state``)."""
-        device = torch.device(self.lcfg["device"])
+        """Build the network and optimiser, from scratch or from a checkpoint (``state``); with ranks, every
+        rank from rank 0's."""
+        device = self.sync.device  # learner.device; a rank's own GPU with ranks on CUDA
         if device.type == "cuda" and not torch.cuda.is_available():
             raise ckpt.CheckpointError(f"learner.device = {self.lcfg['device']!r} but CUDA is not available")
         pcfg = policy_config(self.cfg["policy"], spec)
@@ -444,7 +458,10 @@ class Learner:
         self.model = OptionPolicy(pcfg)
         # the normaliser leaves out rows beyond the bound workers and the broker enforce (the last line)
         self.trainer = Trainer(self.model, self.lcfg, device, action_low=spec.action_low,
-                               action_high=spec.action_high, obs_max_abs=self.cfg["worker"]["max_abs_obs"])
+                               action_high=spec.action_high, obs_max_abs=self.cfg["worker"]["max_abs_obs"],
+                               sync=self.sync)
+        if self.world.parallel:
+            state = self._state_of_rank0(state)
         if state is None:
             self.version = 0
         else:
@@ -463,10 +480,29 @@ class Learner:
             self.log.info("resumed", checkpoint=state.get("path"), version=self.version, updates=self.updates,
                           steps=self.steps_consumed)
 
+    def _state_of_rank0(self, state: Optional[Dict[str, Any]]) -> Optional[Dict[str, Any]]:
+        """Every rank starts where rank 0 does: rank 0's checkpoint (``--resume``; only rank 0 reads it), sent
+        to every rank and returned, or rank 0's fresh weights and normaliser, loaded here (None returned)."""
+        assert self.model is not None and self.spec is not None
+        mine = None
+        if self.world.main:
+            mine = ckpt.encode(state if state is not None else ckpt.snapshot(
+                self.model, None, version=0, updates=0, steps_consumed=0, config=self.cfg,
+                spec=self.spec.to_dict()))
+        shared = ckpt.decode(self.sync.share(mine))
+        if shared.get("path") is None:  # a fresh start (a loaded checkpoint says where it came from)
+            self.model.load_state_dict(shared["model"])
+            return None
+        return shared
+
     # -- publishing -------------------------------------------------------------------------------------
     def publish(self) -> None:
-        """Send the current version on PUB and make it the snapshot the service thread hands out."""
+        """Send the current version on PUB and make it the snapshot the service thread hands out (rank 0:
+        it publishes every rank's version, which is the same)."""
         assert self.model is not None and self.spec is not None and self.version is not None
+        if not self.world.main:
+            logs.set_version(self.version)
+            return
         packed = weights_message(self.model, self.version, self.steps_consumed, self.spec.hash,
                                  learner=self.service.identity if self.service is not None else None)
         if self.service is not None:
@@ -502,11 +538,15 @@ class Learner:
             "retries": dict(self.retries),
             "drops": self.drops.as_dict(),
             "options": self.options,
-            # the broker status asks of the metrics line that got no usable answer, by cause
-            "broker_status_drops": dict(self.broker_status.drops) if self.broker_status is not None else {},
+            # the broker status asks of the shard watcher that got no usable answer, by cause
+            "broker_status_drops": self._status_drops(),
+            # per broker shard: endpoint, up, fill, batches it served this learner
+            "shards": self.shards.summary() if self.shards is not None else [],
             "loops": {"learner-train": loop_report(self.last_update, self.updates, self.drops.counts.get(
                 "train_error", 0))},
             "resources": self.resources.report(now),
+            # data-parallel ranks: rank, size, backend and the seconds spent in collectives (rank 0's)
+            "ranks": self.sync.report() if self.world.parallel else None,
         })
 
     def _report(self, **extra: Any) -> None:
@@ -517,8 +557,8 @@ class Learner:
 
     # -- training ---------------------------------------------------------------------------------------
     def _record(self, msg: Message, metrics: Dict[str, Any], seconds: float) -> None:
-        B, T, N = msg.arrays["action"].shape[:3]
-        steps = int(B * T * N)
+        T, C = msg.arrays["action"].shape[:2]  # C: the batch's env columns, whatever each worker's N
+        steps = int(metrics.get("steps_all", T * C))  # with data-parallel ranks, every rank's batch together
         self.steps_consumed += steps
         self.updates += 1
         self.step_meter.add(steps)
@@ -554,7 +594,7 @@ class Learner:
                 w.add_scalar("episode/return_mean_100", self.episodes.return_mean(), g)
 
     def train_loop(self) -> None:
-        assert self.batches is not None and self.trainer is not None and self.spec is not None
+        assert self.shards is not None and self.trainer is not None and self.spec is not None
         B = int(self.lcfg["batch_segments"])
         status_s = float(self.cfg["log"]["status_s"])
         metrics_s = float(self.cfg["log"].get("metrics_s", 0.0))
@@ -562,6 +602,7 @@ class Learner:
         ckpt_s = float(self.lcfg["checkpoint_s"])
         last_status = last_ckpt = time.monotonic()
         self.step_meter, self.update_meter = RateMeter(), RateMeter()  # rates of training, not of waiting
+        voted = False  # left the loop by the ranks' stop vote
         while not self.stop.is_set():
             now = time.monotonic()
             if now - last_ckpt >= ckpt_s:
@@ -573,17 +614,21 @@ class Learner:
             if now - last_status >= status_s:
                 self.status_line()
                 last_status = now
-            request = make("sample", batch_size=B, version=int(self.version), priority_keys=self.prio_keys,
-                           priorities=self.prios)
-            # each batch's priorities travel once (prefetch: 2 requests on)
-            self.prio_keys, self.prios = [], []
-            reply = self.batches.exchange(request, ("batch", "retry", "error"), stop=self.stop.is_set)
+            shard, wait = self.shards.pick()
+            if shard is None:  # every shard asked us to retry later, or is down
+                self.stop.wait(wait)
+                continue
+            version = int(self.version)
+            reply = self.shards.request(
+                shard, lambda keys, prios: make("sample", batch_size=B, version=version, priority_keys=keys,
+                                                priorities=prios), stop=self.stop.is_set)
             if reply is None:
-                break  # stopped
+                if self.stop.is_set():
+                    break
+                continue  # that shard is down: the others go on
             if reply.kind == "retry":
                 self.retries[reply["reason"]] += 1
-                self.stop.wait(min(max(int(reply["retry_ms"]), 1), 5000) / 1000.0)
-                continue
+                continue  # the shard waits out its retry_ms (ShardSampler.pick)
             if reply.kind == "error":
                 self.drops.drop("broker_error", str(reply["reason"]))
                 self.stop.wait(1.0)
@@ -593,34 +638,50 @@ class Learner:
             except WireError as exc:
                 self.drops.drop(exc.cause, str(exc))
                 continue
+            # data-parallel ranks update in step: each has a batch now; none goes on once one stops
+            if self.sync.any(self.stop.is_set()):
+                voted = True
+                break
             t0 = time.monotonic()
             try:
                 metrics = self.trainer.update(reply, int(self.version))
-            except Exception as exc:  # a batch that breaks the update must not end the run
+            except Exception as exc:  # a batch that breaks the update must not end the run ...
+                if self.world.parallel:  # ... unless ranks wait for this one in a collective: out of step
+                    raise
                 self.log.exception("update failed; batch dropped", error=str(exc))
                 self.drops.drop("train_error", str(exc))
                 continue
             self.version = int(self.version) + 1
-            self.prio_keys = list(reply["keys"])
-            self.prios = [float(p) if math.isfinite(p) else 0.0 for p in metrics["priorities"]]
+            self.shards.trained(shard, reply["keys"],
+                                [float(p) if math.isfinite(p) else 0.0 for p in metrics["priorities"]])
             self._record(reply, metrics, time.monotonic() - t0)
             self.last_update = time.time()
             self.publish()
+        if not voted:  # stopped on its own (waiting for a batch): the ranks waiting in the vote learn it
+            self.sync.any(True)
+
+    def _status_drops(self) -> Dict[str, int]:
+        out: Dict[str, int] = {}
+        for shard in (self.shards.shards if self.shards is not None else []):
+            for k, v in shard.status.drops.items():
+                out[k] = out.get(k, 0) + int(v)
+        return out
 
     def write_metrics(self, ask_broker: bool) -> None:
         """Append one line to ``RUN_DIR/metrics.jsonl`` and the broker/worker TensorBoard scalars.
 
-        The line is the learner's report plus the broker's (asked for here, one status round trip every
-        ``log.metrics_s``), so that ``zclaw plot`` and TensorBoard see every role's throughput, the lag
-        histogram and the drops of a run, whoever started its processes. Never raises: records are a
-        by-product and must not stop training.
+        The line is the learner's report plus the brokers' (their shards' total, and each shard's when there
+        are several; asked every ``log.metrics_s`` by the shard watcher's thread), so that ``zclaw plot`` and
+        TensorBoard see every role's throughput, the lag histogram and the drops of a run, whoever started
+        its processes. Never raises: records are a by-product and must not stop training.
         """
+        if not self.world.main:  # rank 0 writes the records of every rank
+            return
         try:
-            # a broker that does not answer: last report kept
-            if ask_broker and self.broker_status is not None:
-                reply = self.broker_status.request(make("status"), ("status",), stop=self.stop.is_set)
-                if reply is not None and isinstance(reply.get("report"), dict):
-                    self.broker_report = reply["report"]
+            shard_reports = self.shards.reports() if self.shards is not None else []
+            if ask_broker and shard_reports:  # a shard that does not answer: its last report kept
+                self.broker_report = (merge_reports(shard_reports) if len(shard_reports) > 1
+                                      else shard_reports[0])
             rep = self.report()
             b = self.broker_report or {}
             line = {
@@ -639,6 +700,10 @@ class Learner:
                 # each role process's CPU (% of one core), RSS (MiB), threads and GPU (or "no GPU")
                 "resources": {"learner": rep.get("resources"), "broker": b.get("resources")},
             }
+            if len(shard_reports) > 1:
+                line["brokers"] = [None if r is None else {k: r.get(k) for k in (
+                    "fill", "insert_rate", "sample_rate", "inserted_steps", "drops", "resources")}
+                    for r in shard_reports]
             with open(self.run_dir / "metrics.jsonl", "a") as f:
                 f.write(json.dumps(finite_json(line), sort_keys=True) + "\n")
             if self.writer is not None:  # resources/<role>/<figure>, resources/worker/<id>/<figure>
@@ -683,8 +748,8 @@ class Learner:
                 self.log.warning(warning)
 
     def checkpoint(self) -> Optional[Path]:
-        if self.model is None or self.trainer is None or self.spec is None:
-            return None
+        if self.model is None or self.trainer is None or self.spec is None or not self.world.main:
+            return None  # rank 0 checkpoints for every rank (they hold the same state)
         try:
             path = ckpt.save(
                 self.ckpt_dir, self.model, self.trainer.optimizer, version=int(self.version),
@@ -701,7 +766,10 @@ class Learner:
 
     # -- teardown ---------------------------------------------------------------------------------------
     def finish(self) -> Dict[str, Any]:
-        """Final checkpoint, final report (``learner_final.json``); returns the report."""
+        """Final checkpoint, final report (``learner_final.json``); returns the report. Rank 0's work: other
+        ranks only return their report."""
+        if not self.world.main:
+            return self.report()
         path = self.checkpoint()
         if path is not None:
             self.log.info("final checkpoint", path=str(path), version=self.version)
@@ -721,9 +789,10 @@ class Learner:
         self.stop.set()
         if self.service is not None:
             self.service.join(timeout=5)
-        for client in (self.broker, self.broker_status, self.batches):
-            if client is not None:
-                client.close()
+        if self.shard_watch is not None:
+            self.shard_watch.join(timeout=5)
+        if self.shards is not None:
+            self.shards.close()
         if self.pub is not None:
             self.pub.close(linger=0)
         if self.writer is not None:
@@ -745,9 +814,13 @@ def _run(cfg: Dict[str, Dict[str, Any]], log: Any, run_dir: Path, resume: bool, 
     """:func:`main`'s body, run with the stop signals installed (zclaw/startup.py)."""
     run_dir.mkdir(parents=True, exist_ok=True)
     torch.set_num_threads(int(cfg["learner"]["threads"]))
+    try:  # a data-parallel rank (torchrun, zclaw learner --nproc) joins its group; alone, nothing happens
+        sync = distributed.start(cfg["learner"]["device"])
+    except ValueError as exc:
+        raise startup.CannotStart("cannot start as a learner rank", error=str(exc)) from None
 
     state: Optional[Dict[str, Any]] = None
-    if resume:
+    if resume and sync.world.main:  # other ranks start from what rank 0 loads (Learner.build)
         try:
             state = ckpt.load(run_dir / "checkpoints")
         except ckpt.CheckpointError as exc:
@@ -758,17 +831,20 @@ def _run(cfg: Dict[str, Dict[str, Any]], log: Any, run_dir: Path, resume: bool, 
         np.random.seed(seed)
         random.seed(seed)
 
-    learner = Learner(cfg, log, run_dir, stop)  # keys that do not load, an unprotected bind: CannotStart
+    learner = Learner(cfg, log, run_dir, stop, sync)  # keys that do not load, an open bind: CannotStart
     code = EXIT_OK
     try:
         err = learner.open_sockets()
         if err is not None:
             log.error(err)
             return EXIT_FAILED
-        log.info("learner up", publish=learner.net["publish_port"], serve=learner.net["learner_port"],
-                 broker=learner.broker.endpoint if learner.broker else None, run_dir=str(run_dir),
+        log.info("learner up", publish=learner.net["publish_port"] if learner.pub else None,
+                 serve=learner.net["learner_port"] if learner.service else None,
+                 ranks=sync.world.describe() if sync.world.parallel else None,
+                 brokers=[sh.endpoint for sh in learner.shards.shards] if learner.shards else None,
+                 run_dir=str(run_dir),
                  **learner.security.summary())
-        if cfg["learner"]["tensorboard"]:
+        if cfg["learner"]["tensorboard"] and sync.world.main:
             from torch.utils.tensorboard import SummaryWriter
 
             learner.writer = SummaryWriter(str(run_dir / "tb"), flush_secs=10)
@@ -789,5 +865,9 @@ def _run(cfg: Dict[str, Dict[str, Any]], log: Any, run_dir: Path, resume: bool, 
             log.info("learner stopped", version=rep["version"], updates=rep["updates"],
                      steps=rep["steps_consumed"], return_mean_100=rep["return_mean_100"])
         return code
+    except distributed.GroupBroken as exc:  # another rank is gone: no final checkpoint (maybe half an update)
+        log.error("learner ranks out of step: stopping", error=str(exc))
+        return EXIT_FAILED
     finally:
         learner.close()
+        distributed.leave()

@@ -1,10 +1,12 @@
 """One asynchronous update per batch: V-trace targets from both levels' behaviour log-probs, then
 PPO-clip on the intra-option policies, the option-level rule (DAC or PPOC), and the student.
 
-The broker hands the learner B segments of T steps x N envs, each produced by whatever policy version
-the worker held (``policy_version[B, T]``). :meth:`Trainer.update`:
+The broker hands the learner B segments of T steps x N_b envs, each produced by whatever policy version
+the worker held (``policy_version[B, T]``), joined along the env axis into C = sum(N_b) columns (one
+env's T steps each; workers may differ in N). :meth:`Trainer.update`:
 
-1. lays the batch out time-major, ``[T, B*N]`` (column ``b*N + n`` is env n of segment b), and
+1. takes the batch time-major as it arrives, ``[T, C]`` (segment b holds ``columns[b]`` consecutive
+   columns), and
    reconstructs each step's option context: the previous option o_{t-1} and whether x_t starts an
    episode (both known inside a segment; at t = 0 only when no option was picked there, otherwise the
    step is left out of the option-level terms, see :meth:`Trainer.option_context`);
@@ -30,6 +32,11 @@ the worker held (``policy_version[B, T]``). :meth:`Trainer.update`:
 With ``options = 1`` every option-level term is absent (pi_hat = 1, log-probs 0) and this is exactly
 asynchronous PPO: the same losses, gradients and optimiser steps (``tests/test_options.py``).
 
+Data-parallel learner ranks (:mod:`zclaw.learner.distributed`) run this same update, each on its own batch;
+the trainer's :class:`~zclaw.learner.distributed.Sync` makes them one learner on the union of their batches:
+the running statistics are merged in :meth:`Trainer.prepare`, each epoch's advantage statistics and each
+step's gradients (and KL, and whether it is finite) in :meth:`Trainer.update`. Alone it does nothing.
+
 Metric names (TensorBoard ``learner/<name>``; stable, other tools read them): ``loss/policy``,
 ``loss/value``, ``loss/entropy``, ``loss/master``, ``loss/termination``, ``loss/master_entropy``,
 ``loss/student``, ``loss/total``, ``approx_kl``, ``clip_frac``, ``rho_mean``, ``rho_clipped_frac``,
@@ -39,7 +46,7 @@ Metric names (TensorBoard ``learner/<name>``; stable, other tools read them): ``
 from __future__ import annotations
 
 from dataclasses import dataclass, fields
-from typing import Any, Dict, Mapping, NamedTuple, Optional, Sequence, Tuple, Union
+from typing import Any, Dict, List, Mapping, NamedTuple, Optional, Sequence, Tuple, Union
 
 import numpy as np
 import torch
@@ -50,6 +57,7 @@ from ..policy.health import OptionHealth
 from ..policy.networks import OptionPolicy
 from ..policy.normalizer import RewardScaler
 from ..wire import Message
+from .distributed import Sync
 
 LOSS_KEYS = ("loss/policy", "loss/value", "loss/entropy", "loss/master", "loss/termination",
              "loss/termination_prior", "loss/master_entropy", "loss/student", "loss/total", "approx_kl",
@@ -104,8 +112,8 @@ class TrainConfig:
 
 
 class PreparedBatch(NamedTuple):
-    """One batch laid out time-major, ``[T, C]`` with C = B*N columns (column ``b*N + n`` is env n of
-    segment b), with its targets computed once without gradient (:meth:`Trainer.prepare`)."""
+    """One batch laid out time-major, ``[T, C]`` with C = sum(N_b) columns (segment b's N_b envs are
+    consecutive columns), with its targets computed once without gradient (:meth:`Trainer.prepare`)."""
 
     x: torch.Tensor  # [T+1, C, D] normalised observations (row T: the bootstrap state x_T)
     action: torch.Tensor  # [T, C, A] a_t as the worker sent it
@@ -131,8 +139,9 @@ class PreparedBatch(NamedTuple):
     adv_master: torch.Tensor  # [T, C] PPOC: rho (q_t - V(x_t)); zeros otherwise
     q_prev: torch.Tensor  # [T, C] PPOC: Q(x_t, o_{t-1}), the termination's input; zeros otherwise
     v: torch.Tensor  # [T, C] PPOC: V(x_t); zeros otherwise
-    lag: np.ndarray  # [B, T] the learner's version minus the version that produced each step
+    lag: np.ndarray  # [T, C] the learner's version minus the version that produced each step
     priorities: torch.Tensor  # [B] mean |adv| of each segment, the next request's priorities
+    rank_samples: Tuple[int, ...]  # every learner rank's batch size in samples (alone: this batch's T * C)
 
 
 class Samples(NamedTuple):
@@ -169,9 +178,11 @@ class Trainer:
     def __init__(
         self, model: OptionPolicy, learner_cfg: Union[TrainConfig, Mapping[str, Any]], device: Any = "cpu",
         action_low: Optional[Sequence[float]] = None, action_high: Optional[Sequence[float]] = None,
-        obs_max_abs: float = float("inf"),
+        obs_max_abs: float = float("inf"), sync: Optional[Sync] = None,
     ) -> None:
         c = learner_cfg if isinstance(learner_cfg, TrainConfig) else TrainConfig.from_section(learner_cfg)
+        #: what data-parallel learner ranks agree on (zclaw/learner/distributed.py); alone, nothing
+        self.sync = sync if sync is not None else Sync(device=device)
         self.cfg = c
         self.device = torch.device(device)
         self.model = model.to(self.device)
@@ -183,6 +194,7 @@ class Trainer:
         self.optimizer = torch.optim.Adam(
             [{"params": self.main_params, "lr": c.lr},
              {"params": self.student_parameters(), "lr": c.student_lr}], eps=1e-5)
+        self.params = [p for group in self.optimizer.param_groups for p in group["params"]]
         self.low = (torch.as_tensor(action_low, dtype=torch.float32, device=self.device)
                     if action_low is not None else None)
         self.high = (torch.as_tensor(action_high, dtype=torch.float32, device=self.device)
@@ -216,12 +228,6 @@ class Trainer:
     # -- layout ---------------------------------------------------------------------------------------
     def _tensor(self, arr: np.ndarray, dtype: torch.dtype = torch.float32) -> torch.Tensor:
         return torch.as_tensor(np.asarray(arr), device=self.device).to(dtype)
-
-    @staticmethod
-    def _time_major(x: torch.Tensor) -> torch.Tensor:
-        """[B, T, N, ...] -> [T, B*N, ...]."""
-        B, T, N = x.shape[:3]
-        return x.transpose(0, 1).reshape((T, B * N) + tuple(x.shape[3:]))
 
     @staticmethod
     def option_context(
@@ -278,27 +284,31 @@ class Trainer:
         """
         c = self.cfg
         a = batch.arrays
-        B, T, N = a["action"].shape[:3]
+        T, C = a["action"].shape[:2]
+        columns = [int(n) for n in batch["columns"]]  # segment b's env count: its consecutive columns
+        B = len(columns)
         model = self.model
         K = model.K
         D = model.cfg.obs_dim
 
-        obs = self._tensor(a["obs"]).reshape(B, T + 1, N, D)
-        if update_norm:
-            # every step once (row T is the next segment's row 0); rows out of range are left out
-            self.norm_left_out += model.obs_norm.update(obs[:, :T], max_abs=self.obs_max_abs)
-        raw = self._time_major(obs)  # [T+1, BN, D]
+        raw = self._tensor(a["obs"]).reshape(T + 1, C, D)
+        # the observation and reward-scale statistics first (every rank's batch with ranks): every step once
+        # (row T is the next segment's row 0)
+        rank_samples = self._fold_statistics(raw[:T], batch, columns) if update_norm else (T * C,)
         x = model.obs_norm(raw)
-        action = self._time_major(self._tensor(a["action"]).reshape(B, T, N, model.A))
-        reward = self._time_major(self._tensor(a["reward"]))
-        terminated = self._time_major(self._tensor(a["terminated"], torch.bool))
-        truncated = self._time_major(self._tensor(a["truncated"], torch.bool))
-        option = self._time_major(self._tensor(a["option"], torch.long)).clamp(0, K - 1)
-        option_start = self._time_major(self._tensor(a["option_start"], torch.bool))
-        logp_mu = self._time_major(self._tensor(a["logp_action"]))
-        logp_mu_option = self._time_major(self._tensor(a["logp_option"]))
-        weight = self._tensor(a["is_weight"]).repeat_interleave(N).unsqueeze(0).expand(T, B * N)
-        lag = int(version) - a["policy_version"].astype(np.int64)  # [B, T]
+        action = self._tensor(a["action"]).reshape(T, C, model.A)
+        reward = self._tensor(a["reward"])
+        terminated = self._tensor(a["terminated"], torch.bool)
+        truncated = self._tensor(a["truncated"], torch.bool)
+        option = self._tensor(a["option"], torch.long).clamp(0, K - 1)
+        option_start = self._tensor(a["option_start"], torch.bool)
+        logp_mu = self._tensor(a["logp_action"])
+        logp_mu_option = self._tensor(a["logp_option"])
+        segment = torch.repeat_interleave(torch.arange(B, device=self.device),
+                                          torch.as_tensor(columns, device=self.device))  # [C] -> b
+        weight = self._tensor(a["is_weight"])[segment].unsqueeze(0).expand(T, C)
+        # [T, C]: each column's steps lag as its segment's
+        lag = np.repeat((int(version) - a["policy_version"].astype(np.int64)).T, columns, axis=1)
         done = terminated | truncated
         prev, ep_start, known = self.option_context(option, option_start, done)
         self.health.update(option, option_start, prev, known, ep_start, raw[:T])
@@ -306,11 +316,9 @@ class Trainer:
         # deliberation cost (Harb et al. 2018): a price on every switch that is not an episode start
         if K > 1 and c.deliberation_cost > 0:
             reward = reward - c.deliberation_cost * (option_start & known & ~ep_start).to(reward.dtype)
-        # reward scale (RewardScaler): inside the loss only; what workers report stays raw
+        # reward scale (RewardScaler, its statistics folded above): inside the loss only; what workers report
+        # stays raw
         if self.reward_scaler is not None:
-            if update_norm:
-                self.reward_scaler.update(a["reward"], a["terminated"] | a["truncated"], batch["workers"],
-                                          batch["seqs"])
             reward = self.reward_scaler.scale(reward)
 
         values = self._values(x[:T], option)  # Q(x_t, o_t)
@@ -326,13 +334,12 @@ class Trainer:
             log_rho_option = torch.zeros_like(log_rho_action)
         log_rhos = log_rho_action + log_rho_option
 
-        # value of final_obs at the truncated steps (carried sparsely as final_at rows (b, t, n)): the
+        # value of final_obs at the truncated steps (carried sparsely as final_at rows (t, c)): the
         # episode would have gone on with o_t running, so U(final_obs, o_t)
         final_values = torch.zeros_like(reward)
         fa = np.asarray(a["final_at"], dtype=np.int64)
         if fa.shape[0]:
-            fb, ft, fn = (torch.as_tensor(fa[:, i], device=self.device) for i in range(3))
-            col = fb * N + fn
+            ft, col = (torch.as_tensor(fa[:, i], device=self.device) for i in range(2))
             fx = model.obs_norm(self._tensor(a["final_obs"]).reshape(-1, D))
             final_values[ft, col] = self._arrival_values(fx, option[ft, col],
                                                          torch.zeros_like(col, dtype=torch.bool))
@@ -365,8 +372,30 @@ class Trainer:
             values=values, bootstrap=bootstrap, final_values=final_values, rewards=rewards,
             discounts=discounts, log_rhos=log_rhos, log_rho_option=log_rho_option, vs=vs, q_ret=q_ret,
             adv=adv, adv_high=adv_high, adv_master=adv_master, q_prev=q_prev, v=v, lag=lag,
-            priorities=adv.abs().reshape(T, B, N).mean(dim=(0, 2)),
+            # mean |adv| of each segment's T x N_b steps
+            priorities=(torch.zeros(B, device=self.device).index_add_(0, segment, adv.abs().sum(0))
+                        / (T * torch.as_tensor(columns, device=self.device, dtype=adv.dtype))),
+            rank_samples=rank_samples,
         )
+
+    def _fold_statistics(self, raw: torch.Tensor, batch: Message, columns: List[int]) -> Tuple[int, ...]:
+        """Fold the batch's observations ``raw[T, C, D]`` (rows out of range left out) and, with
+        ``reward_scale = "return"``, its discounted returns into the running statistics; return every rank's
+        batch size in samples.
+
+        With data-parallel ranks every rank's batch moments are merged first (:meth:`Sync.batch`, one
+        all-gather), so every rank folds the same statistics: those one learner on all their batches would."""
+        a = batch.arrays
+        obs, left_out = self.model.obs_norm.measure(raw, max_abs=self.obs_max_abs)
+        returns = (self.reward_scaler.measure(a["reward"], a["terminated"] | a["truncated"], columns,
+                                              batch["workers"], batch["seqs"])
+                   if self.reward_scaler is not None else None)
+        share = self.sync.batch(obs, returns, int(raw.shape[0] * raw.shape[1]))
+        self.model.obs_norm.fold(share.obs)
+        if self.reward_scaler is not None and share.returns is not None:
+            self.reward_scaler.fold(share.returns)
+        self.norm_left_out += left_out
+        return share.samples
 
     def samples(self, p: PreparedBatch) -> Samples:
         """Flatten a prepared batch's per-step fields to ``[S, ...]`` (S = T*C), the minibatch pool."""
@@ -400,7 +429,8 @@ class Trainer:
         p = self.prepare(batch, version)
         pool = self.samples(p)
         S = pool.adv.shape[0]
-        n_mb = max(1, min(c.minibatches, S))
+        # exactly this many minibatches per epoch, on every rank alike (ranks step together)
+        n_mb = max(1, min(c.minibatches, min(p.rank_samples)))
         sums: Dict[str, float] = {k: 0.0 for k in LOSS_KEYS}
         count = 0
         kl_stop = 1.5 * c.target_kl  # SB3's rule: stop once a minibatch is this far from the behaviour
@@ -409,18 +439,24 @@ class Trainer:
         for _ in range(c.epochs):
             if stopped:
                 break
-            for idx in torch.chunk(torch.randperm(S, device=self.device), n_mb):
-                mb = pool.take(idx)
-                loss, terms, kl, clip_frac = self.loss(mb)
+            minibatches = [pool.take(idx) for idx in torch.tensor_split(torch.randperm(S, device=self.device),
+                                                                        n_mb)]
+            # each minibatch's advantage statistics over every rank's minibatch (alone: None, its own)
+            norms = self.sync.normalizers([self._advantage_sets(mb) for mb in minibatches])
+            for mb, norm in zip(minibatches, norms):
+                loss, terms, kl, clip_frac = self.loss(mb, norm)
+                self.optimizer.zero_grad(set_to_none=True)
+                loss.backward()
+                terms["loss/student"] = self._student_loss(mb)  # its gradient reaches the student only
+                finite = bool(torch.isfinite(loss)) and bool(torch.isfinite(terms["loss/student"]))
+                # ranks: gradients, KL and clip fraction over every rank's minibatch; all finite?
+                finite, kl, clip_frac = self.sync.gradients(self.params, int(mb.adv.shape[0]), finite, kl,
+                                                            clip_frac)
                 if kl_stop > 0 and count > 0 and kl > kl_stop:
                     stopped = True
                     break
-                self.optimizer.zero_grad(set_to_none=True)
-                loss.backward()
                 gn = torch.nn.utils.clip_grad_norm_(self.main_params, c.max_grad_norm)
-                terms["loss/student"] = self._student_loss(mb)  # its gradient reaches the student only
-                finite = torch.isfinite(loss) and torch.isfinite(gn) and torch.isfinite(terms["loss/student"])
-                if not finite:
+                if not (finite and torch.isfinite(gn)):
                     self.skipped_steps += 1  # one poisoned minibatch must not destroy the weights
                     self.optimizer.zero_grad(set_to_none=True)
                     continue
@@ -438,10 +474,23 @@ class Trainer:
         metrics["sgd_steps"] = float(count)
         metrics["kl_stopped"] = float(stopped)
         metrics.update(self._batch_metrics(p))
+        metrics["steps_all"] = float(sum(p.rank_samples))  # every rank's batch together (alone: steps)
         metrics["priorities"] = [float(v) for v in p.priorities.cpu()]
         return metrics
 
-    def loss(self, mb: Samples) -> Tuple[torch.Tensor, Dict[str, torch.Tensor], float, float]:
+    def _advantage_sets(self, mb: Samples) -> List[Tuple[torch.Tensor, Optional[torch.Tensor]]]:
+        """The advantages :meth:`loss` normalises per minibatch, each with the mask of the entries its
+        statistics come from (None: all): the intra-option advantage; for K > 1 DAC's high-MDP advantage
+        over the known choices, or PPOC's master advantage over the option picks."""
+        sets: List[Tuple[torch.Tensor, Optional[torch.Tensor]]] = [(mb.adv, None)]
+        if self.model.K > 1:
+            sets.append((mb.adv_high, mb.known) if self.cfg.mode == "dac"
+                        else (mb.adv_master, mb.option_start & mb.known))
+        return sets
+
+    def loss(
+        self, mb: Samples, norm: Optional[Sequence[Tuple[float, float, float]]] = None
+    ) -> Tuple[torch.Tensor, Dict[str, torch.Tensor], float, float]:
         """One minibatch's loss, top to bottom as in the papers; returns (loss, its terms, KL, clip fraction).
 
         PPO (Schulman et al. 2017, eq. 9) on the intra-option policy of the executing option, its ratio
@@ -452,12 +501,13 @@ class Trainer:
               (ppoc: + master_coef L^Omega + termination_coef L^beta instead of L^H)
               + termination_prior_coef L^prior                                      K > 1
 
-        Advantages are normalised per minibatch (as PPO implementations do); every per-sample term is
-        weighted by the segment's importance weight w (the intra-option terms by ``w_low``, which adds the
+        Advantages are normalised per minibatch (as PPO implementations do; ``norm``: the statistics of
+        :meth:`_advantage_sets` over every rank's minibatch, with data-parallel ranks); every per-sample term
+        is weighted by the segment's importance weight w (the intra-option terms by ``w_low``, which adds the
         per-option weight when ``option_weights`` is on).
         """
         c = self.cfg
-        adv = losses.normalize(mb.adv)
+        adv = losses.normalize(mb.adv, stats=norm[0] if norm else None)
         logp_new, log_std = self._logp(mb.x, mb.option, mb.action)
         with torch.no_grad():  # distance from the behaviour policy: the KL stop and the metrics
             log_ratio = logp_new - mb.logp_mu
@@ -471,14 +521,16 @@ class Trainer:
         loss = pg + c.vf_coef * vl - c.ent_coef * ent
         terms = {"loss/policy": pg, "loss/value": vl, "loss/entropy": ent}
         if self.model.K > 1:
-            terms.update(self._option_terms(mb))
+            terms.update(self._option_terms(mb, norm[1] if norm else None))
             loss = (loss + c.master_coef * terms["loss/master"]
                     + c.termination_coef * terms["loss/termination"]
                     + c.termination_prior_coef * terms["loss/termination_prior"]
                     - c.master_ent_coef * terms["loss/master_entropy"])
         return loss, terms, kl, clip_frac
 
-    def _option_terms(self, mb: Samples) -> Dict[str, torch.Tensor]:
+    def _option_terms(
+        self, mb: Samples, norm: Optional[Tuple[float, float, float]] = None
+    ) -> Dict[str, torch.Tensor]:
         """The option-level losses of one minibatch (K > 1): DAC's or PPOC's, and the master entropy
         (all of the epsilon-soft pi_Omega the workers sample from, :meth:`OptionPolicy.log_master`)."""
         c, model = self.cfg, self.model
@@ -495,14 +547,14 @@ class Trainer:
         if c.mode == "dac":
             log_pi_hat = model.mix_call_and_return(log_master, beta_prev, prev, mb.ep_start).gather(
                 -1, mb.option.unsqueeze(-1)).squeeze(-1)
-            adv_h = losses.masked_normalize(mb.adv_high, known)
+            adv_h = losses.masked_normalize(mb.adv_high, known, stats=norm)
             hl = losses.dac_high_loss(log_pi_hat, mb.logp_mu_option, adv_h, c.clip)
             out["loss/master"] = losses.masked_mean(hl, known, w)
             out["loss/termination"] = torch.zeros((), device=x.device)
         else:
             picked = mb.option_start & known
             log_pi_omega = log_master.gather(-1, mb.option.unsqueeze(-1)).squeeze(-1)
-            adv_m = losses.masked_normalize(mb.adv_master, picked)
+            adv_m = losses.masked_normalize(mb.adv_master, picked, stats=norm)
             w_is = losses.truncated_is(mb.log_rho_option, c.rho_bar)
             out["loss/master"] = losses.masked_mean(losses.ppoc_master_loss(log_pi_omega, adv_m, w_is),
                                                     picked, w)
@@ -544,10 +596,8 @@ class Trainer:
         if self.reward_scaler is not None:
             m["reward_scale"] = self.reward_scaler.std  # rewards are divided by this inside the loss
         if self.model.K > 1 and lag.size:
-            # per-option lag: every step's lag [B, T] broadcast over its N envs, grouped by option
-            T, BN = p.option.shape
-            B = lag.shape[0]
-            step_lag = torch.as_tensor(lag.T.copy(), dtype=torch.float32).repeat_interleave(BN // B, dim=1)
+            # per-option lag: every step's lag [T, C], grouped by option
+            step_lag = torch.as_tensor(lag, dtype=torch.float32)
             opt = p.option.cpu()
             for o in range(self.model.K):
                 sel = opt == o

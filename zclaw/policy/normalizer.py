@@ -9,11 +9,36 @@ from __future__ import annotations
 
 import math
 from collections import OrderedDict
-from typing import Dict, Mapping, Sequence, Tuple
+from typing import Any, Dict, Mapping, NamedTuple, Sequence, Tuple
 
 import numpy as np
 import torch
 from torch import nn
+
+
+class Moments(NamedTuple):
+    """Count, mean and population variance of a set of rows (float64; mean and var tensors for the observation
+    normaliser, floats for the reward scale): what Chan et al.'s parallel update merges.
+
+    Why a type of its own: the statistics are folded in two steps, measured on a batch then merged into the
+    running ones, so that data-parallel learner ranks (zclaw/learner/distributed.py) can merge every rank's
+    batch moments first and all fold the same thing."""
+
+    count: float
+    mean: Any
+    var: Any
+
+    def merge(self, other: "Moments") -> "Moments":
+        """The moments of both sets together (Chan et al. 1979); either may be empty (count 0)."""
+        if other.count == 0:
+            return self
+        if self.count == 0:
+            return other
+        delta = other.mean - self.mean
+        total = self.count + other.count
+        return Moments(total, self.mean + delta * other.count / total,
+                       (self.var * self.count + other.var * other.count
+                        + delta**2 * self.count * other.count / total) / total)
 
 
 class RunningNorm(nn.Module):
@@ -44,25 +69,41 @@ class RunningNorm(nn.Module):
         Rows with a non-finite value or one beyond ``max_abs`` are left out: a simulator that blew up
         (1e30 is finite) would otherwise move the variance by dozens of orders of magnitude for good.
         """
+        batch, left_out = self.measure(x, max_abs)
+        self.fold(batch)
+        return left_out
+
+    @torch.no_grad()
+    def measure(self, x: torch.Tensor, max_abs: float = math.inf) -> Tuple[Moments, int]:
+        """The moments of a batch's rows that :meth:`update` keeps, and how many it leaves out (count 0
+        when disabled or when none is kept)."""
+        empty = Moments(0.0, torch.zeros_like(self.mean), torch.zeros_like(self.var))
         if not self.enabled:
-            return 0
+            return empty, 0
         x = x.reshape((-1,) + tuple(self.mean.shape)).to(torch.float64)
         rows = x.reshape(x.shape[0], -1)
         keep = torch.isfinite(rows).all(1) & (rows.abs() <= max_abs).all(1)
         left_out = int(x.shape[0] - int(keep.sum()))
         x = x[keep]
-        n = x.shape[0]
-        if n == 0:
-            return left_out
-        b_mean = x.mean(0)
-        b_var = x.var(0, unbiased=False)
+        if x.shape[0] == 0:
+            return empty, left_out
+        return Moments(float(x.shape[0]), x.mean(0), x.var(0, unbiased=False)), left_out
+
+    @torch.no_grad()
+    def fold(self, batch: Moments) -> None:
+        """Merge a batch's moments (:meth:`measure`, or several ranks' merged) into the statistics, in
+        place."""
+        n = batch.count
+        if not self.enabled or n == 0:
+            return
+        b_mean = torch.as_tensor(batch.mean, dtype=torch.float64, device=self.mean.device)
+        b_var = torch.as_tensor(batch.var, dtype=torch.float64, device=self.var.device)
         delta = b_mean - self.mean
         total = self.count + n
         self.mean += delta * n / total
         m2 = self.var * self.count + b_var * n + delta**2 * self.count * n / total
         self.var.copy_(m2 / total)
         self.count.copy_(total)
-        return left_out
 
     def stats(self) -> Dict[str, np.ndarray]:
         return {"mean": self.mean.cpu().numpy(), "var": self.var.cpu().numpy(),
@@ -107,33 +148,48 @@ class RewardScaler:
     def std(self) -> float:
         return math.sqrt(self.var + self.eps)
 
-    def update(self, reward: np.ndarray, done: np.ndarray, workers: Sequence[str],
+    def update(self, reward: np.ndarray, done: np.ndarray, columns: Sequence[int], workers: Sequence[str],
                seqs: Sequence[int]) -> None:
-        """Fold a batch of ``reward[B, T, N]`` (``done[B, T, N]`` ends an episode after step t) into the
-        statistics; ``workers[b]`` and ``seqs[b]`` say where segment b comes from."""
+        """Fold a batch of ``reward[T, C]`` (``done[T, C]`` ends an episode after step t) into the
+        statistics: segment b holds ``columns[b]`` consecutive columns and comes from ``workers[b]``,
+        number ``seqs[b]``."""
+        self.fold(self.measure(reward, done, columns, workers, seqs))
+
+    def measure(self, reward: np.ndarray, done: np.ndarray, columns: Sequence[int], workers: Sequence[str],
+                seqs: Sequence[int]) -> Moments:
+        """The moments of the batch's discounted returns (the finite ones), as :meth:`update` folds them; the
+        carries of ``G`` advance here."""
         reward = np.asarray(reward, dtype=np.float64)
         done = np.asarray(done, dtype=bool)
-        B, T, N = reward.shape[:3]
-        returns = np.empty((B, T, N))
+        T = reward.shape[0]
+        returns = np.empty(reward.shape)
+        starts = np.cumsum([0] + list(columns[:-1]))
         # in (worker, seq) order, so that a worker's consecutive segments in one batch chain too
-        for b in sorted(range(B), key=lambda i: (str(workers[i]), int(seqs[i]))):
+        for b in sorted(range(len(columns)), key=lambda i: (str(workers[i]), int(seqs[i]))):
             key, seq = str(workers[b]), int(seqs[b])
+            lo, N = int(starts[b]), int(columns[b])
             prev = self._carry.get(key)
             g = prev[1] if prev is not None and prev[0] == seq - 1 and prev[1].shape == (N,) else np.zeros(N)
             for t in range(T):
-                g = self.gamma * g + reward[b, t]
-                returns[b, t] = g
-                g = np.where(done[b, t], 0.0, g)
+                g = self.gamma * g + reward[t, lo:lo + N]
+                returns[t, lo:lo + N] = g
+                g = np.where(done[t, lo:lo + N], 0.0, g)
             if prev is None or seq >= prev[0]:  # keep the carry of each worker's newest segment
                 self._carry[key] = (seq, g)
                 self._carry.move_to_end(key)
         while len(self._carry) > self.max_workers:
             self._carry.popitem(last=False)
         finite = returns[np.isfinite(returns)]
-        n = finite.size
+        if finite.size == 0:
+            return Moments(0.0, 0.0, 0.0)
+        return Moments(float(finite.size), float(finite.mean()), float(finite.var()))
+
+    def fold(self, batch: Moments) -> None:
+        """Merge a batch's return moments (:meth:`measure`, or several ranks' merged) into the statistics."""
+        n = batch.count
         if n == 0:
             return
-        b_mean, b_var = float(finite.mean()), float(finite.var())
+        b_mean, b_var = float(batch.mean), float(batch.var)
         delta = b_mean - self.mean
         total = self.count + n
         self.mean += delta * n / total

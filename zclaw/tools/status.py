@@ -13,10 +13,11 @@ loop. Each role's ``loops`` (service loops and when each last answered) is shown
 from __future__ import annotations
 
 import time
-from typing import Any, Dict, List, Optional, Tuple
+from typing import Any, Dict, List, Optional, Sequence, Tuple, Union
 
 import zmq
 
+from ..fleet import broker_shards, merge_reports
 from ..launch import StatusClient
 from ..wire import tcp
 
@@ -31,41 +32,54 @@ def endpoint(text: str, what: str) -> str:
     return tcp(host, int(port))
 
 
-def endpoints_from_config(cfg: Dict[str, Dict[str, Any]]) -> Tuple[str, str]:
-    """(broker serve endpoint, learner endpoint) as the roles of ``cfg`` are reached."""
+def endpoints_from_config(cfg: Dict[str, Dict[str, Any]]) -> Tuple[List[str], str]:
+    """(every broker shard's serve endpoint, the learner's endpoint) as the roles of ``cfg`` are reached."""
     net = cfg["network"]
-    return tcp(net["broker_host"], int(net["serve_port"])), tcp(net["learner_host"], int(net["learner_port"]))
+    return ([tcp(a.host, a.serve_port) for a in broker_shards(cfg)],
+            tcp(net["learner_host"], int(net["learner_port"])))
 
 
 class Poller:
-    """Asks the broker and the learner for their reports; one instance serves a live view's refreshes."""
+    """Asks every broker shard and the learner for their reports; one instance serves a live view's
+    refreshes."""
 
     def __init__(
-        self, broker: str, learner: str, timeout_ms: int = 1000, curves: Optional[Dict[str, Any]] = None
+        self, brokers: Union[str, Sequence[str]], learner: str, timeout_ms: int = 1000,
+        curves: Optional[Dict[str, Any]] = None
     ) -> None:
-        """``curves``: role -> CurveClient for a run with CURVE keys
-        (``Security.from_config(cfg, "tools")``)."""
+        """``brokers``: one serve endpoint, or each shard's; ``curves``: role -> CurveClient for a run with
+        CURVE keys (``Security.from_config(cfg, "tools")``)."""
         self.ctx = zmq.Context()
-        self.endpoints = {"broker": broker, "learner": learner}
+        self.brokers = [brokers] if isinstance(brokers, str) else list(brokers)
+        self.endpoints = {"broker": ", ".join(self.brokers), "learner": learner}
         curves = curves or {}
-        self.clients = {k: StatusClient(self.ctx, ep, timeout_ms, curve=curves.get(k))
-                        for k, ep in self.endpoints.items()}
+        self.broker_clients = [StatusClient(self.ctx, ep, timeout_ms, curve=curves.get("broker"))
+                               for ep in self.brokers]
+        self.learner_client = StatusClient(self.ctx, learner, timeout_ms, curve=curves.get("learner"))
 
     def snapshot(self) -> Dict[str, Any]:
         """The reports plus the per-worker table; ``answered`` lists the roles that replied."""
-        reports = {k: c.report() for k, c in self.clients.items()}
-        return build_snapshot(reports["broker"], reports["learner"], self.endpoints)
+        reports = [c.report() for c in self.broker_clients]
+        learner = self.learner_client.report()
+        if len(reports) == 1:
+            return build_snapshot(reports[0], learner, self.endpoints)
+        shards = [{"shard": i, "endpoint": ep, "report": r}
+                  for i, (ep, r) in enumerate(zip(self.brokers, reports))]
+        total = merge_reports(reports) if any(reports) else None
+        return build_snapshot(total, learner, self.endpoints, shards=shards)
 
     def close(self) -> None:
-        for c in self.clients.values():
+        for c in self.broker_clients + [self.learner_client]:
             c.close()
         self.ctx.term()
 
 
 def build_snapshot(
-    broker: Optional[Dict[str, Any]], learner: Optional[Dict[str, Any]], endpoints: Dict[str, str]
+    broker: Optional[Dict[str, Any]], learner: Optional[Dict[str, Any]], endpoints: Dict[str, str],
+    shards: Optional[List[Dict[str, Any]]] = None,
 ) -> Dict[str, Any]:
-    """What ``--json`` prints: both reports verbatim, and the workers table derived from them."""
+    """What ``--json`` prints: both reports verbatim (with several broker shards, ``broker`` is their total
+    and ``shards`` each one's report), and the workers table derived from them."""
     learner_version = (learner or {}).get("version")
     workers: List[Dict[str, Any]] = []
     for ident, w in sorted(((broker or {}).get("workers") or {}).items()):
@@ -91,6 +105,7 @@ def build_snapshot(
         "broker": broker,
         "learner": learner,
         "workers": workers,
+        "shards": shards or [],
     }
 
 
@@ -255,6 +270,13 @@ def render(snap: Dict[str, Any]) -> str:
         loops = loops_line(B, snap["time"])
         if loops:
             lines.append(loops)
+        for sh in snap.get("shards") or []:  # several brokers: B is their total, each shard on a line
+            r = sh["report"]
+            lines.append(f"  shard {sh['shard']} {sh['endpoint']}  " + (
+                "no answer" if r is None else
+                f"fill {_f(r.get('fill'))}/{_f(r.get('capacity'))}  insert {_f(r.get('insert_rate'), 0)} "
+                f"steps/s  sample {_f(r.get('sample_rate'))} segments/s  workers "
+                f"{_f(r.get('workers_total'))}  drops {sum((r.get('drops') or {}).values())}"))
         hist = B.get("lag_hist") or {}
         total = float(sum(hist.values()))
         if total > 0:
@@ -277,8 +299,8 @@ def render(snap: Dict[str, Any]) -> str:
 
 
 def run(
-    broker: str, learner: str, *, once: bool, as_json: bool, interval: float, timeout_ms: int, echo: Any,
-    clear: bool, curves: Optional[Dict[str, Any]] = None,
+    broker: Union[str, Sequence[str]], learner: str, *, once: bool, as_json: bool, interval: float,
+    timeout_ms: int, echo: Any, clear: bool, curves: Optional[Dict[str, Any]] = None,
 ) -> int:
     """The ``zclaw status`` command: 0 while some role answers, 1 when none does (message says which)."""
     import json

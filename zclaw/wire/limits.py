@@ -33,10 +33,12 @@ MAX_UNKNOWN_BYTES = 1024
 MAX_BATCH_SEGMENTS = 64
 #: bytes of a segment's header frame (worker id, seq, spec hash, episodes, the arrays list)
 MAX_SEGMENT_HEADER_BYTES = 16_000
-#: what a batch header holds besides its per-segment entries (kind, v, spec_hash, the arrays list)
-BATCH_HEADER_OVERHEAD = 4096
-#: bytes a segment adds to a batch header beyond what its own header held: its key (a msgpack int)
-BATCH_KEY_BYTES = 9
+#: what a batch header holds besides its per-segment entries (kind, v, spec_hash, the arrays list with
+#: the part sizes of each array sent in parts: at most MAX_BATCH_SEGMENTS ints per array)
+BATCH_HEADER_OVERHEAD = 16384
+#: bytes a segment adds to a batch header beyond what its own header held: its key and its column
+#: count (two msgpack ints)
+BATCH_KEY_BYTES = 18
 #: header bytes per kind (the decoder's MAX_HEADER_BYTES for the rest: weights, status, batch)
 KIND_HEADER_BYTES: Dict[str, int] = {
     "segment": MAX_SEGMENT_HEADER_BYTES,

@@ -1,4 +1,4 @@
-"""Message kinds of protocol v1: header schemas, builders and the segment/batch layout.
+"""Message kinds of protocol v2: header schemas, builders and the segment/batch layout.
 
 ``docs/protocol.md`` is the human specification of what this module enforces; the golden files in
 ``tests/golden/`` pin the bytes. Every kind has a header schema (field -> allowed types); receivers
@@ -34,6 +34,9 @@ _ANNOUNCE: Dict[str, Tuple[tuple, bool]] = {
     "pid": ((int,), True),
     "zclaw": ((str,), True),
     "spec": ((dict, type(None)), True),
+    # steps T per segment: a worker's own in its hello; in a welcome the run's, which every segment must
+    # have (None until the first worker said hello or a snapshot fixed it); learners and tools send None
+    "segment_length": ((int, type(None)), True),
 }
 
 #: header schema of each kind: field -> (allowed python types, required)
@@ -45,10 +48,12 @@ SCHEMAS: Dict[str, Dict[str, Tuple[tuple, bool]]] = {
         "spec_hash": ((str,), True),
         "episodes": ((list,), True),
     },
-    # any role -> broker: identity and env spec. On the broker's serve socket (REQ -> ROUTER) it is the
-    # handshake and heartbeat, answered by ``welcome`` or ``refused``; on ingest (PUSH) it is sent on every
-    # (re)connection ahead of segments. The protocol version is the header's ``v``.
-    "hello": dict(_ANNOUNCE),
+    # any role -> broker: identity, env spec and segment length. On the broker's serve socket (REQ ->
+    # ROUTER) it is the handshake and heartbeat, answered by ``welcome`` or ``refused``; on ingest (PUSH)
+    # it is sent on every (re)connection ahead of segments. The protocol version is the header's ``v``.
+    # ``resources``: the sender's CPU, memory, threads and GPU (a worker's, with every heartbeat; the broker
+    # keeps it only in the fixed shape zclaw.telemetry.resources_from_wire rebuilds)
+    "hello": dict(_ANNOUNCE, resources=((dict,), False)),
     # learner -> broker (DEALER): ask for a batch, return priorities of one already trained
     "sample": {
         "batch_size": ((int,), True),
@@ -56,18 +61,24 @@ SCHEMAS: Dict[str, Dict[str, Tuple[tuple, bool]]] = {
         "priority_keys": ((list,), False),
         "priorities": ((list,), False),
     },
-    # broker -> learner (reply to ``sample``): B segments, each per-step array in one part per segment
+    # broker -> learner (reply to ``sample``): B segments joined along the env axis (BATCH_EXTRA)
     "batch": {
         "keys": ((list,), True),
+        "columns": ((list,), True),
         "workers": ((list,), True),
         "seqs": ((list,), True),
         "episodes": ((list,), True),
         "spec_hash": ((str,), True),
+        # segments the broker holds (before this batch's uses are counted): how a learner sampling several
+        # broker shards weighs them
+        "fill": ((int,), False),
     },
-    # broker -> client (reply to ``hello``): you may go on; who the broker is and the run's env spec
-    "welcome": dict(_ANNOUNCE),
-    # any server -> client: you are not served, and why (``cause``: bad_spec, bad_version, no_spec); the
-    # client logs ``reason`` and stops. Its fields never change, so any protocol version can read it.
+    # broker -> client (reply to ``hello``): you may go on; who the broker is, the run's env spec and segment
+    # length, and the largest message its ingest accepts (a worker whose segments cannot fit stops, saying so)
+    "welcome": dict(_ANNOUNCE, max_message_bytes=((int,), True)),
+    # any server -> client: you are not served, and why (``cause``: bad_spec, bad_version, no_spec,
+    # bad_shape); the client logs ``reason`` and stops. Its fields never change, so any protocol version
+    # can read it (a server answers an older peer in that peer's version: ``encode_refusal``).
     "refused": {"reason": ((str,), True), "cause": ((str,), True)},
     # any server -> client: "not now, ask again in retry_ms"
     "retry": {"reason": ((str,), True), "retry_ms": ((int,), True)},
@@ -221,7 +232,8 @@ class EnvSpec:
 # ------------------------------------------------------------------------------------------ segment
 
 #: Per-step arrays of a segment: name -> (dtype, shape as a function of T, N and the spec).
-#: ``obs`` has T+1 rows: the last one bootstraps the value of the step after the segment.
+#: ``obs`` has T+1 rows: the last one bootstraps the value of the step after the segment. Every array but
+#: ``policy_version`` (one per step, shared by the segment's envs) has the env axis at :data:`ENV_AXIS`.
 SEGMENT_ARRAYS: Dict[str, Tuple[str, Any]] = {
     "obs": ("<f4", lambda T, N, s: (T + 1, N) + s.obs_shape),
     "action": ("<f4", lambda T, N, s: (T, N) + s.action_shape),
@@ -234,8 +246,12 @@ SEGMENT_ARRAYS: Dict[str, Tuple[str, Any]] = {
     "logp_option": ("<f4", lambda T, N, s: (T, N)),
     "policy_version": ("<i8", lambda T, N, s: (T,)),
 }
-#: Sparse arrays: the real final observation of steps that were truncated (time limit), which the
-#: autoreset replaced in ``obs``; ``final_at`` rows are (t, n). Needed to bootstrap a truncation.
+#: the env axis of the per-env arrays: a batch joins segments of any env count N along it
+ENV_AXIS = 1
+#: the per-step arrays a batch joins along :data:`ENV_AXIS` (all but ``policy_version``)
+ENV_ARRAYS = tuple(name for name in SEGMENT_ARRAYS if name != "policy_version")
+#: most envs one segment may carry (a GPU worker's batch of envs; bounds a column count a peer chooses)
+MAX_SEGMENT_ENVS = 1 << 16
 FINAL_ARRAYS: Dict[str, Tuple[str, Any]] = {
     "final_obs": ("<f4", lambda M, s: (M,) + s.obs_shape),
     "final_at": ("<i4", lambda M, s: (M, 2)),
@@ -261,6 +277,8 @@ def segment_dims(msg: Message, spec: EnvSpec, max_options: int = MAX_OPTIONS) ->
     if act.ndim < 2 or act.shape[0] < 1 or act.shape[1] < 1:
         raise WireError("bad_shape", "action must be [T, N, ...] with T, N >= 1")
     T, N = act.shape[:2]
+    if N > MAX_SEGMENT_ENVS:
+        raise WireError("bad_shape", f"segment of {N} envs > {MAX_SEGMENT_ENVS}")
     M = msg.arrays["final_obs"].shape[0] if msg.arrays["final_obs"].ndim else -1
     for name, (dtype, shape) in _segment_layout(T, N, M, spec):
         _expect(msg.arrays[name], name, dtype, shape)
@@ -287,14 +305,15 @@ def segment_dims(msg: Message, spec: EnvSpec, max_options: int = MAX_OPTIONS) ->
     return T, N, M
 
 
-def max_segment_bytes(spec: EnvSpec, T: int, N: int) -> int:
-    """Bytes of the largest legal T x N segment of ``spec``: every array with a truncation at every step
-    (M = T x N rows of ``final_obs``), plus the largest segment header the wire allows."""
+def max_segment_bytes(spec: EnvSpec, T: int, N: int, truncations: Optional[int] = None) -> int:
+    """Bytes of the largest legal T x N segment of ``spec`` with ``truncations`` rows of ``final_obs`` (None:
+    a truncation at every step, M = T x N, the bound), plus the largest segment header the wire allows."""
+    M = T * N if truncations is None else truncations
     total = MAX_SEGMENT_HEADER_BYTES
     for dtype, shape_of in SEGMENT_ARRAYS.values():
         total += math.prod(shape_of(T, N, spec)) * np.dtype(dtype).itemsize
     for dtype, shape_of in FINAL_ARRAYS.values():
-        total += math.prod(shape_of(T * N, spec)) * np.dtype(dtype).itemsize
+        total += math.prod(shape_of(M, spec)) * np.dtype(dtype).itemsize
     return int(total)
 
 
@@ -339,18 +358,28 @@ class Segment:
 
 # -------------------------------------------------------------------------------------------- batch
 
-#: A batch stacks B stored segments: every array of :data:`SEGMENT_ARRAYS` with a leading B axis,
-#: the sparse truncation arrays re-indexed as ``final_at`` rows (b, t, n), and ``is_weight[B]``, the
-#: importance weight of each segment (1 outside prioritized mode).
+#: A batch joins B stored segments of T steps and N_b envs each along the env axis: every array of
+#: :data:`ENV_ARRAYS` is ``[T(+1), C, ...]`` with C = sum(N_b) *columns* (column c is one env's T steps;
+#: the header's ``columns`` lists N_b, so segment b holds columns ``sum(N_<b) .. sum(N_<=b) - 1``);
+#: ``policy_version`` is stacked per segment, ``[B, T]``; the sparse truncation arrays are re-indexed as
+#: ``final_at`` rows (t, c); ``is_weight[B]`` is each segment's importance weight (1 outside prioritized
+#: mode). Protocol v1 stacked segments of one N as ``[B, T, N, ...]``; v2 lets every worker have its own N.
 BATCH_EXTRA: Dict[str, Tuple[str, Any]] = {
     "final_obs": ("<f4", lambda M, s: (M,) + s.obs_shape),
-    "final_at": ("<i4", lambda M, s: (M, 3)),
+    "final_at": ("<i4", lambda M, s: (M, 2)),
     "is_weight": ("<f4", lambda B, s: (B,)),
 }
 
 
+def batch_shape(name: str, B: int, T: int, C: int, spec: EnvSpec) -> Tuple[int, ...]:
+    """The shape of the per-step array ``name`` in a batch of B segments, T steps and C columns."""
+    if name == "policy_version":
+        return (B, T)
+    return tuple(SEGMENT_ARRAYS[name][1](T, C, spec))
+
+
 def batch_dims(msg: Message, spec: EnvSpec) -> Tuple[int, int, int, int]:
-    """Check a batch against ``spec``; return (B, T, N, M). Raise :class:`WireError` if off."""
+    """Check a batch against ``spec``; return (B, T, C, M). Raise :class:`WireError` if off."""
     if msg.kind != "batch":
         raise WireError("unexpected_kind", msg.kind)
     if msg["spec_hash"] != spec.hash:
@@ -358,16 +387,25 @@ def batch_dims(msg: Message, spec: EnvSpec) -> Tuple[int, int, int, int]:
     names = set(SEGMENT_ARRAYS) | set(BATCH_EXTRA)
     if set(msg.arrays) != names:
         raise WireError("bad_shape", f"batch arrays {sorted(msg.arrays)} != {sorted(names)}")
-    act = msg.arrays["action"]
-    if act.ndim < 3:
-        raise WireError("bad_shape", "action must be [B, T, N, ...]")
-    B, T, N = act.shape[:3]
+    act, pv = msg.arrays["action"], msg.arrays["policy_version"]
+    if act.ndim < 2 or pv.ndim != 2:
+        raise WireError("bad_shape", "action must be [T, C, ...] and policy_version [B, T]")
+    T, C = act.shape[:2]
+    B = pv.shape[0]
+    columns = msg["columns"]
+    if len(columns) != B or any(isinstance(n, bool) or not isinstance(n, int) or n < 1 for n in columns):
+        raise WireError("malformed", "columns must list one env count >= 1 per segment")
+    if sum(columns) != C:
+        raise WireError("bad_shape", f"columns add up to {sum(columns)}, the arrays have {C}")
     M = msg.arrays["final_obs"].shape[0] if msg.arrays["final_obs"].ndim else -1
-    for name, (dtype, shape_of) in SEGMENT_ARRAYS.items():
-        _expect(msg.arrays[name], name, dtype, (B,) + tuple(shape_of(T, N, spec)))
+    for name, (dtype, _) in SEGMENT_ARRAYS.items():
+        _expect(msg.arrays[name], name, dtype, batch_shape(name, B, T, C, spec))
     _expect(msg.arrays["final_obs"], "final_obs", "<f4", BATCH_EXTRA["final_obs"][1](M, spec))
     _expect(msg.arrays["final_at"], "final_at", "<i4", BATCH_EXTRA["final_at"][1](M, spec))
     _expect(msg.arrays["is_weight"], "is_weight", "<f4", (B,))
+    fa = msg.arrays["final_at"]
+    if M and ((fa[:, 0] < 0).any() or (fa[:, 0] >= T).any() or (fa[:, 1] < 0).any() or (fa[:, 1] >= C).any()):
+        raise WireError("bad_shape", "final_at indexes outside the batch")
     if len(msg["keys"]) != B or len(msg["workers"]) != B or len(msg["seqs"]) != B:
         raise WireError("malformed", "keys, workers and seqs must have one entry per segment")
-    return B, T, N, M
+    return B, T, C, M

@@ -1,4 +1,4 @@
-"""Wire protocol v1: framing, array codec and strict validation.
+"""Wire protocol v2: framing, array codec and strict validation.
 
 A message is a list of ZeroMQ frames ``[header, array_0, array_1, ...]``. The header is a msgpack map
 that always carries ``v`` (the protocol version) and ``kind``; numpy arrays travel as raw frames whose
@@ -6,6 +6,11 @@ dtype and shape the header lists under ``arrays`` (msgpack cannot pack ndarrays,
 with ``copy=False`` avoid a copy). Sockets that use ``CONFLATE`` keep only the last frame of a
 multipart message, so those carry the *packed* form: one frame holding a 4-byte big-endian header
 length, the header, then the array bytes back to back.
+
+An array may travel in *parts* (:class:`Parts`): split along one axis into several frames, which the
+receiver joins into one array. Protocol v2 made the part sizes free (v1 split a stacked leading axis
+into equal rows): a batch joins segments of different env counts along the env axis, each segment's
+frame forwarded as the broker holds it.
 
 Every receive is validated before anything else looks at it; anything not fully understood raises
 :class:`WireError` with a short ``cause`` (used as the drop-counter key) and is never half-applied.
@@ -15,13 +20,16 @@ from __future__ import annotations
 
 import math
 import struct
-from typing import Any, Dict, List, Mapping, Optional, Sequence, Tuple, Union
+from typing import Any, Dict, List, Mapping, NamedTuple, Optional, Sequence, Tuple, Union
 
 import msgpack
 import numpy as np
 import zmq
 
-PROTOCOL_VERSION = 1
+PROTOCOL_VERSION = 2
+#: ``refused`` is readable at any of these versions (its fields never change): a server answers an older
+#: peer's hello in that peer's version, so the peer can decode why it is turned away and exit
+READABLE_REFUSAL_VERSIONS = (1, 2)
 
 #: dtypes allowed on the wire, by their numpy ``.str`` (explicit little-endian or byte-sized).
 ALLOWED_DTYPES = frozenset({"<f4", "<f8", "<f2", "<i1", "<i2", "<i4", "<i8", "|i1", "|u1", "|b1", "<u2",
@@ -42,7 +50,7 @@ Frame = Union[bytes, memoryview, Any]  # bytes, memoryview or zmq.Frame
 
 
 class WireError(ValueError):
-    """A message that does not conform to protocol v1; ``cause`` names the drop counter."""
+    """A message that does not conform to the protocol; ``cause`` names the drop counter."""
 
     def __init__(self, cause: str, detail: str = "") -> None:
         super().__init__(f"{cause}: {detail}" if detail else cause)
@@ -105,31 +113,50 @@ def _payload(a: np.ndarray) -> Frame:
     return a.data
 
 
+class Parts(NamedTuple):
+    """An array sent as several frames: ``arrays`` joined along ``axis`` (every other dimension equal).
+
+    Why: the broker answers a batch straight from the segments it holds, one frame per segment, and the
+    receiver joins them once (:func:`decode`); stacking them first would copy every byte on the broker.
+    """
+
+    arrays: Sequence[np.ndarray]
+    axis: int
+
+
 def encode(
-    header: Mapping[str, Any], arrays: Optional[Mapping[str, Union[np.ndarray, Sequence[np.ndarray]]]] = None
+    header: Mapping[str, Any], arrays: Optional[Mapping[str, Union[np.ndarray, Parts]]] = None
 ) -> List[Frame]:
     """Encode a header and named arrays into frames ``[header, *array_bytes]`` (no copies of arrays).
 
-    An array given as a list of k arrays of one dtype and shape S travels as the array [k, *S] in
-    k *parts*, one frame each, without being stacked first: the broker answers a batch straight
-    from the segments it holds, and the receiver stacks once (see :func:`decode`).
-    ``header`` must not already contain ``v`` or ``arrays``; ``kind`` is required.
+    An array given as :class:`Parts` travels in one frame per part; its header entry is
+    ``[name, dtype, joined shape, axis, [size of each part along axis]]`` (a single part is sent as a
+    plain array). ``header`` must not already contain ``v`` or ``arrays``; ``kind`` is required.
     """
     if "kind" not in header:
         raise ValueError("header needs a 'kind'")
     descr = []
     frames: List[Frame] = [b""]
     for name, arr in (arrays or {}).items():
-        if isinstance(arr, (list, tuple)):
-            parts = [_wire_array(p) for p in arr]
-            if not parts or len({(p.dtype.str, p.shape) for p in parts}) != 1:
-                raise ValueError(f"array {name!r}: parts must be a non-empty list of one dtype and shape")
+        if isinstance(arr, Parts):
+            parts = [_wire_array(p) for p in arr.arrays]
+            axis = arr.axis
+            if not parts or len({p.dtype.str for p in parts}) != 1 or not 0 <= axis < parts[0].ndim:
+                raise ValueError(f"array {name!r}: parts must be a non-empty list of one dtype with an axis "
+                                 f"{axis} to join along")
+            rest = {p.shape[:axis] + p.shape[axis + 1:] for p in parts}
+            if len(rest) != 1 or len({p.ndim for p in parts}) != 1:
+                raise ValueError(f"array {name!r}: parts differ outside axis {axis}")
             if len(parts) > 1:
-                descr.append([name, wire_dtype(parts[0].dtype), [len(parts)] + list(parts[0].shape),
-                              len(parts)])
+                sizes = [int(p.shape[axis]) for p in parts]
+                shape = list(parts[0].shape)
+                shape[axis] = sum(sizes)
+                descr.append([name, wire_dtype(parts[0].dtype), shape, axis, sizes])
                 frames.extend(_payload(p) for p in parts)
                 continue
-            arr = parts[0][None]  # one part is a plain array (a view, still no copy)
+            arr = parts[0]
+        elif isinstance(arr, (list, tuple)):
+            raise ValueError(f"array {name!r}: a list of arrays must be given as Parts(arrays, axis)")
         a = _wire_array(arr)
         descr.append([name, wire_dtype(a.dtype), list(a.shape)])
         frames.append(_payload(a))
@@ -138,6 +165,31 @@ def encode(
     full["arrays"] = descr
     frames[0] = msgpack.packb(full, use_bin_type=True)
     return frames
+
+
+def encode_refusal(reason: str, cause: str, version: int = PROTOCOL_VERSION) -> List[Frame]:
+    """A ``refused`` message in protocol ``version`` (one of :data:`READABLE_REFUSAL_VERSIONS`), so that a
+    peer of an older version can read why it is turned away; its header is the same at every version."""
+    if version not in READABLE_REFUSAL_VERSIONS:
+        version = PROTOCOL_VERSION
+    header = {"kind": "refused", "reason": reason, "cause": cause, "v": version, "arrays": []}
+    return [msgpack.packb(header, use_bin_type=True)]
+
+
+def peer_version(frames: Sequence[Frame]) -> Optional[int]:
+    """The protocol version a message's header claims (None if it has no readable one): what a server
+    answers a peer of another version in (:func:`encode_refusal`). Only called on a message already
+    refused for its version, and no larger than the socket's cap."""
+    try:
+        raw = _as_buffer(frames[0])
+        if len(frames) == 1 and raw[:1].tobytes() == b"\x00":  # packed: length prefix, header, arrays
+            (hlen,) = struct.unpack(">I", bytes(raw[:4]))
+            raw = raw[4:4 + hlen]
+        header = msgpack.unpackb(raw, raw=False, max_bin_len=MAX_HEADER_BYTES, max_str_len=MAX_HEADER_BYTES)
+    except Exception:  # msgpack raises several unrelated types on garbage
+        return None
+    v = header.get("v") if isinstance(header, dict) else None
+    return v if type(v) is int else None
 
 
 def pack(frames: Sequence[Frame]) -> bytes:
@@ -160,9 +212,8 @@ def unpack(frame: Frame) -> List[memoryview]:
     header = _decode_header(header_bytes)
     out: List[memoryview] = [header_bytes]
     pos = 4 + hlen
-    for name, dtype, shape, parts in _array_list(header):
-        n = math.prod(shape) * np.dtype(dtype).itemsize // parts
-        for _ in range(parts):
+    for name, dtype, shape, axis, sizes in _array_list(header):
+        for n in _frame_bytes(shape, _DTYPES[dtype].itemsize, axis, sizes):
             if pos + n > len(buf):
                 raise WireError("bad_length", f"array {name!r} runs past the end of the packed frame")
             out.append(buf[pos : pos + n])
@@ -182,7 +233,8 @@ def _decode_header(raw: Frame) -> Dict[str, Any]:
         raise WireError("malformed", f"header is not msgpack ({type(exc).__name__})") from None
     if not isinstance(header, dict):
         raise WireError("malformed", "header is not a map")
-    if header.get("v") != PROTOCOL_VERSION:
+    if header.get("v") != PROTOCOL_VERSION and not (header.get("kind") == "refused"
+                                                    and header.get("v") in READABLE_REFUSAL_VERSIONS):
         raise WireError("bad_version", f"protocol version {header.get('v')!r}, expected {PROTOCOL_VERSION}")
     if not isinstance(header.get("kind"), str):
         raise WireError("malformed", "header has no kind")
@@ -206,8 +258,12 @@ def _dims_ok(shape: Any) -> bool:
     return True
 
 
-def _array_list(header: Mapping[str, Any]) -> List[Tuple[str, str, Tuple[int, ...], int]]:
-    """The validated ``arrays`` list: (name, dtype, shape, parts) per array (parts 1 unless given)."""
+ArrayEntry = Tuple[str, str, Tuple[int, ...], int, Optional[List[int]]]
+
+
+def _array_list(header: Mapping[str, Any]) -> List[ArrayEntry]:
+    """The validated ``arrays`` list: (name, dtype, shape, axis, part sizes) per array; an array in one
+    frame has axis 0 and sizes None."""
     descr = header.get("arrays")
     if not isinstance(descr, list) or len(descr) > MAX_ARRAYS:
         raise WireError("malformed", "header 'arrays' is not a list of at most %d entries" % MAX_ARRAYS)
@@ -215,9 +271,9 @@ def _array_list(header: Mapping[str, Any]) -> List[Tuple[str, str, Tuple[int, ..
     seen = set()
     total_parts = 0
     for entry in descr:
-        if not isinstance(entry, list) or not 3 <= len(entry) <= 4:
+        if not isinstance(entry, list) or len(entry) not in (3, 5):
             raise WireError("malformed", "array entry is not [name, dtype, shape] or [name, "
-                            "dtype, shape, parts]")
+                            "dtype, shape, axis, sizes]")
         name, dtype, shape = entry[0], entry[1], entry[2]
         if not isinstance(name, str) or name in seen:
             raise WireError("malformed", f"array name {name!r} missing or repeated")
@@ -226,17 +282,33 @@ def _array_list(header: Mapping[str, Any]) -> List[Tuple[str, str, Tuple[int, ..
             raise WireError("bad_dtype", f"array {name!r} has dtype {dtype!r}")
         if not _dims_ok(shape):
             raise WireError("bad_shape", f"array {name!r} has shape {shape!r}")
-        parts = 1
-        if len(entry) == 4:
-            parts = entry[3]
-            if not (type(parts) is int and 2 <= parts <= MAX_PARTS and len(shape) >= 1 and shape[0] == parts):
-                raise WireError("bad_shape", f"array {name!r}: {parts!r} parts for shape {shape!r} (needs "
-                                             f"2..{MAX_PARTS}, equal to the first dimension)")
+        axis, sizes, parts = 0, None, 1
+        if len(entry) == 5:
+            axis, sizes = entry[3], entry[4]
+            if not (type(axis) is int and 0 <= axis < len(shape) and type(sizes) is list
+                    and 2 <= len(sizes) <= MAX_PARTS and all(type(n) is int and n >= 1 for n in sizes)
+                    and sum(sizes) == shape[axis]):
+                raise WireError("bad_shape", f"array {name!r}: parts {sizes!r} along axis {axis!r} of shape "
+                                             f"{shape!r} (needs 2..{MAX_PARTS} sizes >= 1 summing to that "
+                                             f"dimension)")
+            parts = len(sizes)
         total_parts += parts
         if total_parts > MAX_PARTS:
             raise WireError("malformed", f"more than {MAX_PARTS} array frames")
-        out.append((name, dtype, tuple(shape), parts))
+        out.append((name, dtype, tuple(shape), axis, sizes))
     return out
+
+
+def _part_shapes(shape: Tuple[int, ...], axis: int, sizes: Optional[List[int]]) -> List[Tuple[int, ...]]:
+    """The shape of each frame of an array: the whole shape, or one per part along ``axis``."""
+    if sizes is None:
+        return [shape]
+    return [shape[:axis] + (n,) + shape[axis + 1:] for n in sizes]
+
+
+def _frame_bytes(shape: Tuple[int, ...], itemsize: int, axis: int, sizes: Optional[List[int]]) -> List[int]:
+    """Bytes of each frame of an array, in Python ints (no overflow whatever the header claims)."""
+    return [math.prod(s) * itemsize for s in _part_shapes(shape, axis, sizes)]
 
 
 class Message:
@@ -270,7 +342,7 @@ def decode(frames: Sequence[Frame], check_finite: bool = True) -> Message:
 
     Arrays are zero-copy views of the received frames, writable where the frame's buffer is (pyzmq's
     received frames are: the receiver owns them; the broker's store keeps read-only views, see
-    ``zclaw.broker.slots``). An array sent in parts is one fresh stacked copy. With ``check_finite``
+    ``zclaw.broker.slots``). An array sent in parts is one fresh joined copy. With ``check_finite``
     every float array is checked for NaN and infinity.
     """
     if len(frames) == 0:
@@ -279,36 +351,40 @@ def decode(frames: Sequence[Frame], check_finite: bool = True) -> Message:
         frames = unpack(frames[0])  # packed form: a big-endian length prefix starts with a zero byte
     header = _decode_header(frames[0])
     descr = _array_list(header)
-    n_frames = sum(entry[3] for entry in descr)
+    n_frames = sum(1 if sizes is None else len(sizes) for _, _, _, _, sizes in descr)
     if n_frames != len(frames) - 1:
         raise WireError("bad_length", f"header lists {n_frames} array frames, message has {len(frames) - 1}")
     # every frame's length against what its header entry implies, in Python ints (no overflow), before
     # anything is allocated: a header may claim any shape, only the bytes received are real
     pos = 1
-    for name, dtype, shape, parts in descr:
+    for name, dtype, shape, axis, sizes in descr:
         if math.prod(d for d in shape if d) * _DTYPES[dtype].itemsize >= _MAX_NDARRAY_BYTES:
             # numpy refuses such a shape even with a zero dimension somewhere (the array holds nothing)
             raise WireError("bad_shape", f"array {name!r} has shape {list(shape)}: beyond any address space")
-        row = shape[1:] if parts > 1 else shape
-        expected = math.prod(row) * _DTYPES[dtype].itemsize
-        for i in range(parts):
-            got = len(_as_buffer(frames[pos + i]))
+        for expected in _frame_bytes(shape, _DTYPES[dtype].itemsize, axis, sizes):
+            got = len(_as_buffer(frames[pos]))
             if got != expected:
-                raise WireError("bad_length", f"array {name!r}: {got} bytes, {dtype}{list(row)} needs "
-                                f"{expected}")
-        pos += parts
+                raise WireError("bad_length", f"array {name!r}: {got} bytes, {dtype}{list(shape)} in "
+                                f"{1 if sizes is None else len(sizes)} frame(s) needs {expected} in this one")
+            pos += 1
     arrays: Dict[str, np.ndarray] = {}
     pos = 1
-    for name, dtype, shape, parts in descr:
+    for name, dtype, shape, axis, sizes in descr:
         dt = _DTYPES[dtype]  # _array_list allowed only these
-        if parts == 1:
+        if sizes is None:
             arrays[name] = _view(frames[pos], name, dt, shape, check_finite)
-        else:  # parts, each checked, copied once into a fresh array (which the receiver needs anyway)
-            out = np.empty(shape, dt)  # no larger than the parts' bytes, which were all received
-            for i in range(parts):
-                out[i] = _view(frames[pos + i], name, dt, shape[1:], check_finite)
-            arrays[name] = out
-        pos += parts
+            pos += 1
+            continue
+        # parts, each checked, copied once into a fresh array (which the receiver needs anyway)
+        out = np.empty(shape, dt)  # no larger than the parts' bytes, which were all received
+        lo = 0
+        for part_shape in _part_shapes(shape, axis, sizes):
+            hi = lo + part_shape[axis]
+            out[(slice(None),) * axis + (slice(lo, hi),)] = _view(frames[pos], name, dt, part_shape,
+                                                                  check_finite)
+            lo = hi
+            pos += 1
+        arrays[name] = out
     del header["arrays"]
     return Message(header, arrays, len(_as_buffer(frames[0])))
 

@@ -62,6 +62,9 @@ class BrokerSession:
         self.broker: Optional[str] = None  # identity of the broker that last welcomed us
         self.missed = 0  # heartbeats in a row without an answer
         self.welcomes = 0
+        #: the segment length this worker sends (set once it adopted the run's): a welcome naming another
+        #: one means its segments cannot be stored, so it is refused (None: not yet fixed)
+        self.segment_length: Optional[int] = None
 
     # -------------------------------------------------------------------------------- socket
     def _send(self) -> None:
@@ -103,6 +106,10 @@ class BrokerSession:
             if theirs != self.spec_hash:  # a broker must refuse this itself; do not trust that it did
                 raise Refused("broker", "bad_spec",
                               f"the run's env spec is {theirs}, this worker's is {self.spec_hash}")
+        theirs_T = msg["segment_length"]
+        if self.segment_length is not None and theirs_T is not None and theirs_T != self.segment_length:
+            raise Refused("broker", "bad_shape", f"the run's segment length is {theirs_T}, this worker sends "
+                          f"{self.segment_length}-step segments; restart it to join the run")
         if msg["identity"] != self.broker:
             self.log.info("broker welcomed us", broker=msg["identity"], host=msg["host"], pid=msg["pid"],
                           zclaw=msg["zclaw"], rejoined=self.broker is not None)

@@ -37,9 +37,10 @@ from ..envs import make_env
 from ..policy.networks import OptionPolicy
 from ..policy.weights import load_weights, model_from_weights
 from ..telemetry import EpisodeWindow, ResourceMeter, cuda_index
+from ..fleet import as_shard, broker_shards, shard_of_worker
 from ..wire import DropCounter, LazyPirate, Message, Segment, WireError, make, make_socket, parse, tcp
 from ..wire.limits import MAX_EPISODES
-from ..wire.messages import EnvSpec
+from ..wire.messages import EnvSpec, max_segment_bytes
 from .. import startup
 from ..security import Security
 from ..stopping import EXIT_OK, EXIT_REFUSED
@@ -480,7 +481,9 @@ class Worker:
         self.N = int(env.num_envs)
         self.ctx = ctx if ctx is not None else zmq.Context()
         self._own_ctx = ctx is None
-        net = cfg["network"]
+        #: the broker shard this worker feeds (worker i: shard i mod S, zclaw.fleet); its one broker endpoint
+        self.shard = shard_of_worker(index, len(broker_shards(cfg)))
+        net = as_shard(cfg, self.shard)["network"]
         push = make_socket(self.ctx, zmq.PUSH, max_message_bytes=int(net["max_message_mb"]) << 20,
                            hwm=PUSH_HWM, curve=self.security.client("broker"))
         push.setsockopt(zmq.IMMEDIATE, 1)  # queue nothing inside ZeroMQ for a broker that is not connected
@@ -515,10 +518,34 @@ class Worker:
     def _hello_frames(self) -> List[Any]:
         return make(
             "hello", role="worker", identity=self.identity, host=socket.gethostname(), pid=os.getpid(),
-            zclaw=__version__, spec=self.spec.to_dict(),
-            # outside the hello schema (a receiver keeps up to MAX_UNKNOWN_BYTES of such fields); ~100 bytes
-            resources=self.resources.report(),
+            zclaw=__version__, spec=self.spec.to_dict(), segment_length=self.T,
+            resources=self.resources.report(),  # ~100 bytes: CPU, memory, threads, GPU (the status view)
         )
+
+    def adopt_segment_length(self, T: Optional[int]) -> None:
+        """Take the run's steps per segment from the broker's welcome (protocol v2: T is one per run, the env
+        count is each worker's own), before the first step; from then on the session holds the broker to
+        it (a later welcome with another T refuses this worker: its segments could not be stored)."""
+        if T is not None and T != self.T:
+            self.log.info("segment length set by the run", T=T, configured=self.T)
+            self.T = int(T)
+            self.buf = SegmentBuffer(self.T, self.N, self.spec, self.buf.device)
+        self.session.segment_length = self.T
+
+    def check_fits(self, cap: int) -> None:
+        """Stop now, saying why, when even this worker's smallest segment (T x N, no truncation) exceeds the
+        broker's message cap: every segment would be dropped as ``oversize`` after the worker paid for it.
+        When only a segment full of truncations could exceed it, warn (such a segment would be dropped)."""
+        least = max_segment_bytes(self.spec, self.T, self.N, truncations=0)
+        if least > cap:
+            raise Refused("broker", "bad_shape",
+                          f"a segment of {self.T} steps x {self.N} envs is at least {least} bytes, over the "
+                          f"broker's {cap}-byte message cap: raise network.max_message_mb on the broker (0: "
+                          "sized for worker.envs) or run fewer envs per worker")
+        most = max_segment_bytes(self.spec, self.T, self.N)
+        if most > cap:
+            self.log.warning("a segment with many truncations could exceed the broker's message cap",
+                             most_bytes=most, cap_bytes=cap, T=self.T, envs=self.N)
 
     def heartbeat(self) -> None:
         """The REQ heartbeat to the broker (``hello`` every :data:`HEARTBEAT_S`, answers collected without
@@ -571,11 +598,14 @@ class Worker:
         self._started = time.monotonic()
         self.log.info(
             "worker starting", identity=self.identity, env=self.spec.env_id, envs=self.N, T=self.T,
-            device=str(self.device), spec_hash=self.spec.hash,
+            device=str(self.device), spec_hash=self.spec.hash, shard=self.shard,
         )
         self.sender.hello()
-        if self.session.handshake(self.stop.is_set) is None:  # refused: raises Refused
+        welcome = self.session.handshake(self.stop.is_set)  # refused: raises Refused
+        if welcome is None:
             return 0
+        self.adopt_segment_length(welcome["segment_length"])
+        self.check_fits(int(welcome["max_message_bytes"]))
         if not self.wait_for_weights():
             return 0
         stop = self.stop
