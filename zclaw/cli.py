@@ -160,6 +160,9 @@ def worker(
 @click.option("--brokers", type=int, default=None,
               help="Broker processes, each a shard of the store (run.brokers); worker i feeds shard i mod N, "
                    "the learner samples every shard.")
+@click.option("--learners", type=int, default=None,
+              help="Learner ranks (run.learners): zclaw learner --nproc N, data-parallel on "
+                   "torch.distributed.")
 @click.option("--run-dir", type=click.Path(file_okay=False), default=None,
               help="Run directory (run.run_dir; default runs/<start time>).")
 @click.option("--resume", is_flag=True,
@@ -169,8 +172,8 @@ def worker(
               help=_INSECURE_HELP + " Only matters with network.bind_host.")
 def train(
     config: Optional[str], overrides: Sequence[str], env: Optional[str], steps: Optional[int],
-    time_s: Optional[float], workers: Optional[int], brokers: Optional[int], run_dir: Optional[str],
-    resume: bool, insecure: Optional[bool],
+    time_s: Optional[float], workers: Optional[int], brokers: Optional[int], learners: Optional[int],
+    run_dir: Optional[str], resume: bool, insecure: Optional[bool],
 ) -> None:
     """Train on one machine: broker, learner and workers as separate processes on loopback.
 
@@ -192,7 +195,8 @@ def train(
     if time_s is not None and steps is None:
         steps = 0  # --time alone means what it says: no step cap (run.steps) ends the run earlier
     cfg = _load(config, overrides, {"run.env": env, "run.steps": steps, "run.time": time_s,
-                                    "run.workers": workers, "run.brokers": brokers, "run.run_dir": run_dir,
+                                    "run.workers": workers, "run.brokers": brokers,
+                                    "run.learners": learners, "run.run_dir": run_dir,
                                     "security.insecure": insecure})
     if not cfg["run"]["steps"] and not cfg["run"]["time"]:
         raise click.UsageError("give a stopping point: --steps N or --time SECONDS (run.steps / run.time)")

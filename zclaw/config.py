@@ -84,6 +84,8 @@ SCHEMA: Dict[str, Dict[str, Key]] = {
         "steps": Key(1_000_000, "stop `zclaw train` after this many env steps (0: no limit)", min=0),
         "time": Key(0.0, "stop `zclaw train` after this many seconds of wall time (0: no limit)", min=0),
         "workers": Key(1, "worker processes `zclaw train` starts", min=1, max=256),
+        "learners": Key(1, "learner ranks `zclaw train` starts (zclaw learner --nproc N: data-parallel on "
+                        "torch.distributed, gloo on CPU)", min=1, max=64),
         "brokers": Key(1, "broker processes (shards) `zclaw train` starts on loopback (network.brokers is "
                        "filled with their ports); worker i feeds shard i mod brokers", min=1, max=16),
         "run_dir": Key("runs/{time}", "run directory; {time} is replaced by the start time"),

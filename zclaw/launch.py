@@ -288,6 +288,8 @@ def train(
     # A restarted broker always restores the snapshot this run wrote.
     broker_argv = base + ["broker"] + common + ["--run-dir", str(run_dir)]
     learner_argv = base + ["learner"] + common + ["--run-dir", str(run_dir)]
+    if int(cfg["run"].get("learners", 1)) > 1:  # data-parallel ranks, one launcher process supervising them
+        learner_argv += ["--nproc", str(int(cfg["run"]["learners"]))]
 
     def learner_restart() -> List[str]:  # --resume needs a checkpoint; without one the learner starts anew
         has_ckpt = (run_dir / "checkpoints" / "latest.pt").exists()
