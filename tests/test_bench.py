@@ -29,6 +29,17 @@ CASES = {
     # the meter's own cost: a few hundred samples and a 1-s paced run
     "resources": (["--n", "200", "--rounds", "1", "--seconds", "1"],
                   rf"cost of the resource view: {FLOAT}% of one core"),
+    # two gloo ranks against one on a tiny batch: both configurations run and the ratio line prints
+    "learner_ranks": (["--updates", "2", "--warmup", "1", "--segments", "2", "--envs", "4", "--T", "16"],
+                      rf"ratio 2 ranks / 1 rank, update throughput: {FLOAT}"),
+    # one and two broker shards fed by 4 null-env clients for 1 s each: both configurations and the ratio
+    "scale": (["--seconds", "1", "--warmup", "0.5", "--clients", "4", "--envs", "4", "--T", "16"],
+              rf"broker CPU-seconds per million transitions: 1 shard {FLOAT}, 2 shards {FLOAT}[\s\S]*"
+              rf"ratio ingest 2 shards / 1 shard: {FLOAT}"),
+    # a mixed (2+4+8 envs) and a same-shape Reacher run of 10 s each: both run lines and the totals
+    "mixed": (["--seconds", "10", "--shapes", "2,4,8", "--set", "worker.segment_length=16"],
+              r"mixed seed 0: 2\+4\+8 = 14 envs[\s\S]*same  seed 0: 3 x 5 = 15 envs[\s\S]*"
+              r"bad_shape drops and refusals, all runs: 0 \(must be 0\)"),
     # zclaw only (SB3 and Sample Factory are not in the test install): one short run and its table row
     "learning": (["--tasks", "reacher", "--variants", "k1", "--seeds", "1", "--cap", "10"],
                  r"\| reacher \| return >= -5\.0 \| zclaw K=1 \| "),
