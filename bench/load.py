@@ -23,7 +23,7 @@ import sys
 import threading
 import time
 from pathlib import Path
-from typing import Any, Dict, List
+from typing import Any, Dict, List, Union
 
 import numpy as np
 import zmq
@@ -44,6 +44,12 @@ def rss_mib(pid: int) -> float:
         if line.startswith("VmRSS:"):
             return int(line.split()[1]) / 1024
     return float("nan")
+
+
+def cpu_s(pid: int) -> float:
+    """utime + stime of process ``pid`` (all its threads), in seconds."""
+    fields = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
+    return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")  # fields 14 and 15 of proc(5)
 
 
 def memory_bound_mib(
@@ -82,12 +88,13 @@ def _pusher(
 
 
 def _group(
-    endpoint: str, ids: List[int], T: int, N: int, stop: Any, sent: Any, ready: Any, go: Any
+    endpoints: List[str], ids: List[int], T: int, N: int, stop: Any, sent: Any, ready: Any, go: Any
 ) -> None:
-    """One process of pushers (threads): the learner's process keeps its GIL to itself."""
+    """One process of pushers (threads): the learner's process keeps its GIL to itself. Pusher i feeds
+    ``endpoints[i mod len]`` (several broker shards: bench/scale.py)."""
     ctx = zmq.Context()
-    threads = [threading.Thread(target=_pusher, args=(ctx, endpoint, i, T, N, stop, sent, ready, go))
-               for i in ids]
+    threads = [threading.Thread(target=_pusher, args=(ctx, endpoints[i % len(endpoints)], i, T, N, stop, sent,
+                                                      ready, go)) for i in ids]
     for t in threads:
         t.start()
     for t in threads:
@@ -114,15 +121,16 @@ class Pushers:
     They connect and say hello first, then wait for :meth:`go`, so the load starts on the run's clock
     (spawned processes take seconds to start on a loaded machine; those seconds are not load)."""
 
-    def __init__(self, ingest_port: int, workers: int, T: int, N: int) -> None:
+    def __init__(self, ingest: Union[int, List[str]], workers: int, T: int, N: int) -> None:
+        """``ingest``: the broker's ingest port, or several shards' endpoints (pusher i feeds i mod S)."""
         mpc = mp.get_context("spawn")
         self.workers = workers
         self._stop, self._go = mpc.Event(), mpc.Event()
         self._sent, self._ready = mpc.Array("q", workers), mpc.Value("i", 0)
-        endpoint = f"tcp://127.0.0.1:{ingest_port}"
+        endpoints = [f"tcp://127.0.0.1:{ingest}"] if isinstance(ingest, int) else list(ingest)
         groups = [list(range(g, workers, PROCESSES)) for g in range(min(PROCESSES, workers))]
         self._procs = [mpc.Process(target=_group, daemon=True, args=(
-            endpoint, ids, T, N, self._stop, self._sent, self._ready, self._go)) for ids in groups]
+            endpoints, ids, T, N, self._stop, self._sent, self._ready, self._go)) for ids in groups]
         for p in self._procs:
             p.start()
 
@@ -135,6 +143,10 @@ class Pushers:
                                    f"{timeout_s:.0f} s")
             time.sleep(0.05)
         self._go.set()
+
+    def cpu_s(self) -> float:
+        """CPU seconds the pusher processes have used so far."""
+        return sum(cpu_s(p.pid) for p in self._procs if p.is_alive())
 
     def stop(self) -> int:
         """Stop and reap every pusher; return the segments they sent in all."""

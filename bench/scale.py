@@ -30,13 +30,11 @@ over to a host with more cores.
 from __future__ import annotations
 
 import argparse
-import multiprocessing as mp
 import os
 import signal
 import statistics
 import subprocess
 import sys
-import threading
 import time
 from pathlib import Path
 from typing import Any, Dict, List, Tuple
@@ -44,7 +42,7 @@ from typing import Any, Dict, List, Tuple
 import zmq
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from load import PROCESSES, _pusher, status  # noqa: E402
+from load import PROCESSES, Pushers, cpu_s, status  # noqa: E402
 from pipeline import SPEC, free_port, segment_arrays  # noqa: E402
 
 from zclaw.wire import make, parse  # noqa: E402
@@ -53,65 +51,11 @@ from zclaw.wire.messages import batch_dims  # noqa: E402
 CLK_TCK = os.sysconf("SC_CLK_TCK")
 
 
-def cpu_s(pid: int) -> float:
-    """utime + stime of process ``pid`` (all its threads), in seconds."""
-    fields = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
-    return (int(fields[11]) + int(fields[12])) / CLK_TCK  # fields 14 and 15 of proc(5)
-
-
 def host_busy_s() -> Tuple[float, float]:
     """(busy, total) CPU seconds of the whole host since boot, over all cores (``/proc/stat``)."""
     vals = [int(x) for x in Path("/proc/stat").read_text().splitlines()[0].split()[1:9]]
     idle = vals[3] + vals[4]  # idle + iowait
     return (sum(vals) - idle) / CLK_TCK, sum(vals) / CLK_TCK
-
-
-def _clients(endpoints: List[str], ids: List[int], T: int, N: int, stop: Any, sent: Any, ready: Any,
-             go: Any) -> None:
-    """One process of pushers (load.py's, one thread each); client i pushes to shard i mod S."""
-    ctx = zmq.Context()
-    threads = [threading.Thread(target=_pusher, args=(ctx, endpoints[i % len(endpoints)], i, T, N, stop,
-                                                      sent, ready, go)) for i in ids]
-    for t in threads:
-        t.start()
-    for t in threads:
-        t.join()
-    ctx.term()
-
-
-class Clients:
-    """``n`` pushers in up to PROCESSES spawned processes, released together by :meth:`go`."""
-
-    def __init__(self, endpoints: List[str], n: int, T: int, N: int) -> None:
-        mpc = mp.get_context("spawn")
-        self.n = n
-        self._stop, self._go = mpc.Event(), mpc.Event()
-        self._sent, self._ready = mpc.Array("q", n), mpc.Value("i", 0)
-        groups = [list(range(g, n, PROCESSES)) for g in range(min(PROCESSES, n))]
-        self.procs = [mpc.Process(target=_clients, daemon=True, args=(
-            endpoints, ids, T, N, self._stop, self._sent, self._ready, self._go)) for ids in groups]
-        for p in self.procs:
-            p.start()
-
-    def go(self, timeout_s: float = 120) -> None:
-        deadline = time.monotonic() + timeout_s
-        while self._ready.value < self.n:
-            if time.monotonic() > deadline:
-                raise RuntimeError(f"only {self._ready.value} of {self.n} clients connected in "
-                                   f"{timeout_s:.0f} s")
-            time.sleep(0.05)
-        self._go.set()
-
-    def cpu_s(self) -> float:
-        return sum(cpu_s(p.pid) for p in self.procs if p.is_alive())
-
-    def stop(self) -> None:
-        self._stop.set()
-        for p in self.procs:
-            p.join(30)
-            if p.is_alive():
-                p.terminate()
-                p.join(5)
 
 
 def start_brokers(shards: int, capacity: int) -> Tuple[List[subprocess.Popen], List[Tuple[int, int]]]:
@@ -159,7 +103,7 @@ def measure(shards: int, a: argparse.Namespace) -> Dict[str, Any]:
     try:
         for proc, (_, serve) in zip(brokers, ports):
             handshake(ctx, serve, a.T, proc)
-        clients = Clients([f"tcp://127.0.0.1:{i}" for i, _ in ports], a.clients, a.T, a.envs)
+        clients = Pushers([f"tcp://127.0.0.1:{i}" for i, _ in ports], a.clients, a.T, a.envs)
         clients.go()
         socks = []
         for _, serve in ports:
@@ -241,7 +185,7 @@ def measure(shards: int, a: argparse.Namespace) -> Dict[str, Any]:
 
 
 def snapshot(ctx: zmq.Context, brokers: List[subprocess.Popen], ports: List[Tuple[int, int]],
-             clients: Clients, sampled: List[int]) -> Dict[str, Any]:
+             clients: Pushers, sampled: List[int]) -> Dict[str, Any]:
     reps = [status(ctx, serve) for _, serve in ports]
     drops: Dict[str, int] = {}
     for r in reps:

@@ -51,11 +51,13 @@ def test_broker_welcomes_its_spec_and_refuses_others_with_the_reason(start_broke
     assert other_T.kind == "welcome" and other_T["segment_length"] == 8, "a later worker is told the run's T"
     r = broker.request(hello(SPEC, identity="w4-e", segment_length=None))
     assert r.kind == "refused" and r["cause"] == "bad_shape" and "segment_length" in r["reason"]
+    r = broker.request(hello(SPEC, identity="w6-g", segment_length=1 << 20))  # over MAX_SEGMENT_STEPS
+    assert r.kind == "refused" and r["cause"] == "bad_shape"
     learner = broker.request(hello(None, role="learner", identity="learner-x"))
     assert learner.kind == "welcome" and learner["spec"] == SPEC.to_dict() and learner["segment_length"] == 8
 
     rep = broker.status()
-    assert rep["refused"] == {"bad_spec": 2, "no_spec": 1, "bad_version": 1, "bad_shape": 1}
+    assert rep["refused"] == {"bad_spec": 2, "no_spec": 1, "bad_version": 1, "bad_shape": 2}
     assert "w1-b" not in rep["workers"] and "learner-x" not in rep["workers"]
     logged = [json.loads(x) for x in broker.output().splitlines() if '"refused"' in x]
     assert {e["cause"] for e in logged} == {"bad_spec", "no_spec", "bad_version", "bad_shape"}

@@ -12,6 +12,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Callable, Dict, List, Mapping, Optional, Sequence, Tuple
 
+from .fleet import parse_address
 from .wire.messages import MAX_OPTIONS
 
 if sys.version_info >= (3, 11):
@@ -317,8 +318,6 @@ def _validate_cross(cfg: Dict[str, Dict[str, Any]]) -> None:
 
 
 def _validate_brokers(cfg: Dict[str, Dict[str, Any]]) -> None:
-    from .fleet import parse_address
-
     seen = set()
     for entry in cfg["network"]["brokers"]:
         try:

@@ -74,6 +74,14 @@ _SUMMED = ("fill", "capacity", "inserted_segments", "inserted_steps", "sampled_s
            "insert_rate", "sample_rate", "episodes", "workers_total", "out_of_range")
 
 
+def broker_total(reports: Sequence[Optional[Dict[str, Any]]]) -> Optional[Dict[str, Any]]:
+    """What the run's brokers report together: the one broker's own report, or the shards' total
+    (:func:`merge_reports`); None when none answered."""
+    if len(reports) == 1:
+        return reports[0]
+    return merge_reports(reports) if any(reports) else None
+
+
 def merge_reports(reports: Sequence[Optional[Dict[str, Any]]]) -> Dict[str, Any]:
     """The total of the shards' status reports (a shard that did not answer is None: counted in
     ``shards_down``): counters and rates summed, drops, retries and lag histograms added key by key,

@@ -30,7 +30,7 @@ from typing import Any, Callable, Dict, List, Optional, Sequence, Tuple
 import zmq
 
 from . import config as config_mod
-from .fleet import broker_shards, merge_reports
+from .fleet import broker_shards, broker_total
 from .stopping import EXIT_CANNOT_START, EXIT_FAILED, EXIT_OK, EXIT_REFUSED, StopSignals
 from .security import Security
 from .wire import LazyPirate, make, tcp
@@ -165,17 +165,14 @@ class StatusClient:
 
 
 class ShardsStatus:
-    """Every broker shard's status as one report (their total, :func:`zclaw.fleet.merge_reports`; the one
-    broker's own report when there is one): what the progress bar and the summary read."""
+    """Every broker shard's status as one report (:func:`zclaw.fleet.broker_total`): what the progress bar
+    and the summary read."""
 
     def __init__(self, ctx: zmq.Context, shards: List[Any], curve: Any = None) -> None:
         self.clients = [StatusClient(ctx, tcp("127.0.0.1", a.serve_port), curve=curve) for a in shards]
 
     def report(self) -> Optional[Dict[str, Any]]:
-        reports = [c.report() for c in self.clients]
-        if len(reports) == 1:
-            return reports[0]
-        return merge_reports(reports) if any(reports) else None
+        return broker_total([c.report() for c in self.clients])
 
     def close(self) -> None:
         for c in self.clients:

@@ -49,7 +49,7 @@ from .. import __version__
 from ..telemetry import EpisodeWindow, RateMeter, ResourceMeter, resources_from_wire
 from ..tokens import TokenBucket
 from ..wire.limits import (INGEST_HEADER_BYTES, MAX_BATCH_SEGMENTS, MAX_REPORT_WORKERS,
-                           MAX_REQUEST_HEADER_BYTES, REQUEST_SOCKET_BYTES, header_length)
+                           MAX_REQUEST_HEADER_BYTES, MAX_SEGMENT_STEPS, REQUEST_SOCKET_BYTES, header_length)
 from ..wire.messages import EnvSpec, make, max_segment_bytes, parse
 from ..wire.protocol import (MAX_HEADER_BYTES, PROTOCOL_VERSION, Frame, Message, WireError, encode_refusal,
                              peer_version)
@@ -483,8 +483,9 @@ class Broker:
                                     f"run's {self.spec.hash} ({self.spec.env_id})")
         if role == "worker":
             T = msg["segment_length"]
-            if T is None or T < 1:
-                return self._refuse(who, "bad_shape", "a worker hello must carry its segment_length (>= 1)")
+            if T is None or not 1 <= T <= MAX_SEGMENT_STEPS:
+                return self._refuse(who, "bad_shape", "a worker hello must carry its segment_length, in "
+                                    f"1..{MAX_SEGMENT_STEPS}")
             self._fix_segment_length(T)
             info = self._worker(who, time.monotonic())
             info.host, info.pid = msg["host"], msg["pid"]
@@ -504,7 +505,8 @@ class Broker:
     def _fix_segment_length(self, T: Any) -> None:
         """The run's steps per segment: the first worker's (unless a snapshot or an earlier worker fixed it),
         announced in every ``welcome``; a worker that said another T adopts the welcome's before it sends."""
-        if self.store is not None and self.store.T is None and isinstance(T, int) and T >= 1:
+        if (self.store is not None and self.store.T is None and isinstance(T, int)
+                and 1 <= T <= MAX_SEGMENT_STEPS):
             self.store.fix_segment_length(T)
             self.log.info("segment length fixed", T=T)
 

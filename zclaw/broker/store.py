@@ -101,7 +101,7 @@ class SampledBatch:
     def arrays(self) -> Dict[str, np.ndarray]:
         """Every field in batch layout (copies), as the learner receives the batch: per-env fields joined
         along the env axis, ``policy_version`` stacked ``[B, T]``."""
-        out: Dict[str, np.ndarray] = {name: join_columns(p) for name, p in self.parts.items()
+        out: Dict[str, np.ndarray] = {name: np.concatenate(p, axis=ENV_AXIS) for name, p in self.parts.items()
                                       if name in ENV_ARRAYS}
         out["policy_version"] = stack_parts(self.parts["policy_version"])
         out.update(self.extra)

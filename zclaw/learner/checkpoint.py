@@ -57,24 +57,16 @@ def set_rng_state(state: Mapping[str, Any]) -> None:
 
 
 def save(
-    directory: Union[str, Path],
-    model: OptionPolicy,
-    optimizer: Optional[torch.optim.Optimizer],
-    *,
-    version: int,
-    updates: int,
-    steps_consumed: int,
-    config: Mapping[str, Any],
-    spec: Mapping[str, Any],
-    extra: Optional[Mapping[str, Any]] = None,
-    trainer: Optional[Mapping[str, Any]] = None,
+    directory: Union[str, Path], model: OptionPolicy, optimizer: Optional[torch.optim.Optimizer],
+    **fields: Any,
 ) -> Path:
-    """Write ``ckpt-<version>.pt`` and ``latest.pt`` atomically into ``directory``; return the first."""
+    """Write ``ckpt-<version>.pt`` and ``latest.pt`` atomically into ``directory``; return the first.
+    ``fields``: :func:`snapshot`'s keywords (version, updates, steps_consumed, config, spec, extra,
+    trainer)."""
     directory = Path(directory)
     directory.mkdir(parents=True, exist_ok=True)
-    data = encode(snapshot(model, optimizer, version=version, updates=updates, steps_consumed=steps_consumed,
-                           config=config, spec=spec, extra=extra, trainer=trainer))
-    numbered = directory / f"ckpt-{int(version):08d}.pt"
+    data = encode(snapshot(model, optimizer, **fields))
+    numbered = directory / f"ckpt-{int(fields['version']):08d}.pt"
     atomic_write(numbered, lambda f: f.write(data))
     atomic_write(directory / LATEST, lambda f: f.write(data))
     old = sorted(directory.glob("ckpt-*.pt"))

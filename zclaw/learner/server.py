@@ -45,7 +45,7 @@ from .. import __version__, logs
 from ..fileio import atomic_write, finite_json
 from ..policy.networks import OptionPolicy
 from ..policy.weights import policy_config, weights_message
-from ..fleet import broker_shards, merge_reports
+from ..fleet import broker_shards, broker_total
 from ..wire import DropCounter, EnvSpec, Message, WireError, bind, make, make_socket, parse, tcp
 from ..wire.limits import REQUEST_SOCKET_BYTES
 from ..wire.protocol import PROTOCOL_VERSION, encode_refusal, peer_version
@@ -680,8 +680,7 @@ class Learner:
         try:
             shard_reports = self.shards.reports() if self.shards is not None else []
             if ask_broker and shard_reports:  # a shard that does not answer: its last report kept
-                self.broker_report = (merge_reports(shard_reports) if len(shard_reports) > 1
-                                      else shard_reports[0])
+                self.broker_report = broker_total(shard_reports)
             rep = self.report()
             b = self.broker_report or {}
             line = {

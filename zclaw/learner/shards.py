@@ -47,7 +47,7 @@ class Shard:
         at = tcp(address.host, address.serve_port)
         self.endpoint = at
         # sharded: one timeout marks a batch shard down instead of retrying it for ever (others go on)
-        self.hello = LazyPirate(ctx, at, **client)
+        self.hello = LazyPirate(ctx, at, **dict(client, retries=0 if sharded else None))
         self.batches = CreditPirate(ctx, at, credit=credit, **dict(client, retries=0 if sharded else None))
         self.status = LazyPirate(ctx, at, **dict(client, retries=0, timeout_ms=status_timeout_ms))
         self.fill = 0
@@ -90,7 +90,6 @@ class ShardSampler:
         us); None if stopped. Shards that do not answer are passed over (their pirate gives up once)."""
         while not stop():
             for s in self.shards:
-                s.hello.retries = None if not self.sharded else 0
                 reply = s.hello.request(hello, ("welcome", "refused"), stop=stop)
                 if reply is not None and (reply.kind == "refused" or reply["spec"]):
                     return reply

@@ -17,7 +17,7 @@ from typing import Any, Dict, List, Optional, Sequence, Tuple, Union
 
 import zmq
 
-from ..fleet import broker_shards, merge_reports
+from ..fleet import broker_shards, broker_total
 from ..launch import StatusClient
 from ..wire import tcp
 
@@ -61,12 +61,9 @@ class Poller:
         """The reports plus the per-worker table; ``answered`` lists the roles that replied."""
         reports = [c.report() for c in self.broker_clients]
         learner = self.learner_client.report()
-        if len(reports) == 1:
-            return build_snapshot(reports[0], learner, self.endpoints)
-        shards = [{"shard": i, "endpoint": ep, "report": r}
-                  for i, (ep, r) in enumerate(zip(self.brokers, reports))]
-        total = merge_reports(reports) if any(reports) else None
-        return build_snapshot(total, learner, self.endpoints, shards=shards)
+        shards = ([{"shard": i, "endpoint": ep, "report": r}
+                   for i, (ep, r) in enumerate(zip(self.brokers, reports))] if len(reports) > 1 else None)
+        return build_snapshot(broker_total(reports), learner, self.endpoints, shards=shards)
 
     def close(self) -> None:
         for c in self.broker_clients + [self.learner_client]:

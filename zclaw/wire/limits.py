@@ -29,6 +29,9 @@ MAX_EPISODES = 256
 #: (kept so a later minor addition does not break older receivers; anything more is dropped)
 MAX_UNKNOWN_FIELDS = 8
 MAX_UNKNOWN_BYTES = 1024
+#: steps T of one segment (a run's segment_length): a hello or welcome naming more is refused, so no one peer
+#: can make every worker of a run allocate segment buffers of its choosing
+MAX_SEGMENT_STEPS = 1 << 16
 #: segments one ``sample`` may ask for (and one ``batch`` may carry, with as many priorities)
 MAX_BATCH_SEGMENTS = 64
 #: bytes of a segment's header frame (worker id, seq, spec hash, episodes, the arrays list)

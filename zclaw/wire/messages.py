@@ -17,8 +17,8 @@ import msgpack
 import numpy as np
 
 from .limits import (INT_MAX, INT_MIN, KIND_HEADER_BYTES, LIST_LIMITS, MAX_BATCH_SEGMENTS,
-                     MAX_REASON_CHARS, MAX_SEGMENT_HEADER_BYTES, MAX_SPEC_ELEMENTS, MAX_TEXT_CHARS,
-                     MAX_UNKNOWN_BYTES, MAX_UNKNOWN_FIELDS)
+                     MAX_REASON_CHARS, MAX_SEGMENT_HEADER_BYTES, MAX_SEGMENT_STEPS, MAX_SPEC_ELEMENTS,
+                     MAX_TEXT_CHARS, MAX_UNKNOWN_BYTES, MAX_UNKNOWN_FIELDS)
 from .protocol import Frame, Message, WireError, decode, encode
 
 _NUM = (int, float)
@@ -277,8 +277,9 @@ def segment_dims(msg: Message, spec: EnvSpec, max_options: int = MAX_OPTIONS) ->
     if act.ndim < 2 or act.shape[0] < 1 or act.shape[1] < 1:
         raise WireError("bad_shape", "action must be [T, N, ...] with T, N >= 1")
     T, N = act.shape[:2]
-    if N > MAX_SEGMENT_ENVS:
-        raise WireError("bad_shape", f"segment of {N} envs > {MAX_SEGMENT_ENVS}")
+    if N > MAX_SEGMENT_ENVS or T > MAX_SEGMENT_STEPS:
+        raise WireError("bad_shape", f"segment of {T} steps x {N} envs: at most {MAX_SEGMENT_STEPS} x "
+                        f"{MAX_SEGMENT_ENVS}")
     M = msg.arrays["final_obs"].shape[0] if msg.arrays["final_obs"].ndim else -1
     for name, (dtype, shape) in _segment_layout(T, N, M, spec):
         _expect(msg.arrays[name], name, dtype, shape)

@@ -39,7 +39,7 @@ from ..policy.weights import load_weights, model_from_weights
 from ..telemetry import EpisodeWindow, ResourceMeter, cuda_index
 from ..fleet import as_shard, broker_shards, shard_of_worker
 from ..wire import DropCounter, LazyPirate, Message, Segment, WireError, make, make_socket, parse, tcp
-from ..wire.limits import MAX_EPISODES
+from ..wire.limits import MAX_EPISODES, MAX_SEGMENT_STEPS
 from ..wire.messages import EnvSpec, max_segment_bytes
 from .. import startup
 from ..security import Security
@@ -522,30 +522,36 @@ class Worker:
             resources=self.resources.report(),  # ~100 bytes: CPU, memory, threads, GPU (the status view)
         )
 
-    def adopt_segment_length(self, T: Optional[int]) -> None:
+    def adopt_segment_length(self, T: Optional[int], cap: int) -> None:
         """Take the run's steps per segment from the broker's welcome (protocol v2: T is one per run, the env
         count is each worker's own), before the first step; from then on the session holds the broker to
-        it (a later welcome with another T refuses this worker: its segments could not be stored)."""
-        if T is not None and T != self.T:
+        it (a later welcome with another T refuses this worker: its segments could not be stored).
+        Checked before anything is allocated: T within the wire's bound, the segments within ``cap``."""
+        T = self.T if T is None else int(T)
+        if not 1 <= T <= MAX_SEGMENT_STEPS:
+            raise Refused("broker", "bad_shape",
+                          f"the run's segment length {T} is outside 1..{MAX_SEGMENT_STEPS}")
+        self.check_fits(T, cap)
+        if T != self.T:
             self.log.info("segment length set by the run", T=T, configured=self.T)
-            self.T = int(T)
+            self.T = T
             self.buf = SegmentBuffer(self.T, self.N, self.spec, self.buf.device)
         self.session.segment_length = self.T
 
-    def check_fits(self, cap: int) -> None:
+    def check_fits(self, T: int, cap: int) -> None:
         """Stop now, saying why, when even this worker's smallest segment (T x N, no truncation) exceeds the
         broker's message cap: every segment would be dropped as ``oversize`` after the worker paid for it.
         When only a segment full of truncations could exceed it, warn (such a segment would be dropped)."""
-        least = max_segment_bytes(self.spec, self.T, self.N, truncations=0)
+        least = max_segment_bytes(self.spec, T, self.N, truncations=0)
         if least > cap:
             raise Refused("broker", "bad_shape",
-                          f"a segment of {self.T} steps x {self.N} envs is at least {least} bytes, over the "
+                          f"a segment of {T} steps x {self.N} envs is at least {least} bytes, over the "
                           f"broker's {cap}-byte message cap: raise network.max_message_mb on the broker (0: "
                           "sized for worker.envs) or run fewer envs per worker")
-        most = max_segment_bytes(self.spec, self.T, self.N)
+        most = max_segment_bytes(self.spec, T, self.N)
         if most > cap:
             self.log.warning("a segment with many truncations could exceed the broker's message cap",
-                             most_bytes=most, cap_bytes=cap, T=self.T, envs=self.N)
+                             most_bytes=most, cap_bytes=cap, T=T, envs=self.N)
 
     def heartbeat(self) -> None:
         """The REQ heartbeat to the broker (``hello`` every :data:`HEARTBEAT_S`, answers collected without
@@ -604,8 +610,7 @@ class Worker:
         welcome = self.session.handshake(self.stop.is_set)  # refused: raises Refused
         if welcome is None:
             return 0
-        self.adopt_segment_length(welcome["segment_length"])
-        self.check_fits(int(welcome["max_message_bytes"]))
+        self.adopt_segment_length(welcome["segment_length"], int(welcome["max_message_bytes"]))
         if not self.wait_for_weights():
             return 0
         stop = self.stop
