@@ -10,7 +10,7 @@ hidden), the broker's peak RSS against the bound it must stay under, and p50/p99
 
     python bench/load.py [--seconds 10] [--workers 32] [--capacity 256] [--T 16] [--envs 4]
 
-``tests/test_load.py`` runs :func:`run` briefly and checks the accounting and the memory bound.
+``tests/system/test_load.py`` runs :func:`run` briefly and checks the accounting and the memory bound.
 """
 from __future__ import annotations
 

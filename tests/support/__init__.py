@@ -1,5 +1,5 @@
-"""What the tests share, written once, so that no test module imports another (tests/test_style.py checks
-it) and a wait, a launch or a log check means the same in every test.
+"""What the tests share, written once, so that no test module imports another (tests/project/test_style.py
+checks it) and a wait, a launch or a log check means the same in every test.
 
 * :mod:`support.waiting`: ``wait_until``, the one polling loop with a deadline (fails naming what it waited
   for, with the log that explains why);
@@ -10,7 +10,7 @@ it) and a wait, a launch or a log check means the same in every test.
 * :mod:`support.peers`: peers the test plays with real sockets (a worker's PUSH, a learner's PUB +
   ROUTER) and the env spec and segments they send;
 * :mod:`support.batches`: the learner's synthetic ``batch`` messages;
-* tests/synthetic.py (kept apart): random segments in the wire layout, used by the wire, store and broker
+* :mod:`support.synthetic`: random segments in the wire layout, used by the wire, store and broker
   tests and by :mod:`support.peers`.
 
 Fixtures over these (``roles``, ``start_broker``) are in tests/conftest.py.

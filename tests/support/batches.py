@@ -1,6 +1,6 @@
 """The learner's synthetic batches: real ``batch`` messages (encoded and parsed back, as the learner
 receives them) built from arrays the test chooses, for the trainer, options, value-target and reward-scale
-tests. Random segments in the wire's segment layout are in tests/synthetic.py.
+tests. Random segments in the wire's segment layout are in :mod:`support.synthetic`.
 """
 from __future__ import annotations
 

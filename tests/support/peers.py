@@ -3,7 +3,7 @@ real peer would send over TCP.
 
 * :class:`Worker`: a worker's PUSH to the broker's ingest (``hello``, segments), speaking the protocol;
   :data:`SPEC` is its env spec, :data:`T` x :data:`N` its segments' shape, :func:`seg_arrays` their
-  arrays (built by ``synthetic.random_segment``, tests/synthetic.py), :func:`with_header` forges a header.
+  arrays (built by ``synthetic.random_segment``, support/synthetic.py), :func:`with_header` forges a header.
 * :class:`StandInLearner`: a learner's PUB (weights every 100 ms) and ROUTER (``snapshot``), which also
   answers the worker's ``hello`` handshake as the broker would.
 """
@@ -17,7 +17,7 @@ from typing import Any, Dict, List, Optional
 import msgpack
 import numpy as np
 import zmq
-from synthetic import random_segment
+from support.synthetic import random_segment
 
 from zclaw import __version__, config
 from zclaw.policy.networks import OptionPolicy

@@ -1,7 +1,8 @@
 """A worker written from docs/protocol.md alone: plain pyzmq, msgpack and numpy, and nothing of zclaw.
 
-tests/test_protocol_doc.py runs it against real ``zclaw broker`` and ``zclaw learner`` processes, in a process
-where ``import zclaw`` fails, so whatever it needs must come from the doc; section names below are the doc's.
+tests/wire/test_protocol_doc.py runs it against real ``zclaw broker`` and ``zclaw learner`` processes, in a
+process where ``import zclaw`` fails, so whatever it needs must come from the doc; section names below are
+the doc's.
 It is a minimal conforming worker: it says hello, adopts the run's segment length, rebuilds the policy from
 a ``weights`` message, steps a tiny env of its own and pushes segments. What a long-running worker adds
 (the heartbeat, Lazy Pirate retries, a bounded send queue) is left out.

@@ -30,7 +30,7 @@ env's T steps each; workers may differ in N). :meth:`Trainer.update`:
    group (fixed ``student_lr``, own moments; the gradient clip covers the main parameters only).
 
 With ``options = 1`` every option-level term is absent (pi_hat = 1, log-probs 0) and this is exactly
-asynchronous PPO: the same losses, gradients and optimiser steps (``tests/test_options.py``).
+asynchronous PPO: the same losses, gradients and optimiser steps (``tests/learner/test_options.py``).
 
 Data-parallel learner ranks (:mod:`zclaw.learner.distributed`) run this same update, each on its own batch;
 the trainer's :class:`~zclaw.learner.distributed.Sync` makes them one learner on the union of their batches:

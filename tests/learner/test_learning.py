@@ -1,6 +1,6 @@
 """A real training signal: short runs on MuJoCo tasks beat the policy they started from.
 
-In one process (the pipeline's processes and sockets are covered by tests/test_e2e.py): a batched
+In one process (the pipeline's processes and sockets are covered by tests/system/test_e2e.py): a batched
 gym env, the option policy acting call-and-return, segments in wire layout through a real ``batch``
 message, and the Trainer, for a fixed number of updates (a loaded machine trains as far, only slower).
 The comparison is with the return of the same policy before training, measured in this run, not with
@@ -126,7 +126,7 @@ def test_short_reacher_run_improves_on_the_random_policy(options: int, mode: str
 def test_the_default_config_learns_a_task_nobody_tuned_it_for() -> None:
     torch.manual_seed(0)
     torch.set_num_threads(1)
-    cfg = config.load(str(Path(__file__).resolve().parents[1] / "configs" / "default.toml"))
+    cfg = config.load(str(Path(__file__).resolve().parents[2] / "configs" / "default.toml"))
     assert (T, N) == (cfg["worker"]["segment_length"], cfg["worker"]["envs"])  # the default worker's shape
     env = make_env("gym:InvertedPendulum-v5", N, seed=0, device=torch.device("cpu"))
     model = OptionPolicy(policy_config(cfg["policy"], env.spec))

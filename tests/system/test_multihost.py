@@ -13,7 +13,7 @@ from pathlib import Path
 import pytest
 from support.logs import log_lines
 
-SCRIPT = Path(__file__).resolve().parents[1] / "bin" / "netns-cluster"
+SCRIPT = Path(__file__).resolve().parents[2] / "bin" / "netns-cluster"
 
 
 def _netns_allowed() -> str:

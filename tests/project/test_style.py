@@ -8,7 +8,7 @@ import sys
 from pathlib import Path
 from typing import List
 
-ROOT = Path(__file__).resolve().parents[1]
+ROOT = Path(__file__).resolve().parents[2]
 TESTS = ROOT / "tests"
 
 
@@ -36,7 +36,7 @@ def imports_of_test_modules(root: Path) -> List[str]:
 
 
 def test_no_test_module_imports_another() -> None:
-    """What tests share lives in tests/support (and tests/synthetic.py), never in a test module: importing
+    """What tests share lives in tests/support, never in a test module: importing
     one runs its module-level code and fixtures under another module's name, and ties the two together."""
     found = imports_of_test_modules(TESTS)
     assert not found, "import these from tests/support instead:\n" + "\n".join(found)
@@ -48,3 +48,15 @@ def test_the_import_check_sees_every_form(tmp_path: Path) -> None:
     (tmp_path / "conftest.py").write_text("import test_a\n")
     assert imports_of_test_modules(tmp_path) == ["conftest.py:1: test_a", "test_b.py:2: test_a",
                                                  "test_b.py:3: test_c.d"]
+
+
+def test_every_test_module_sits_in_a_group_the_readme_names() -> None:
+    """A newcomer finds a thing's tests by folder: each test module is in one of the groups tests/README.md
+    lists, and every group listed exists."""
+    readme = (TESTS / "README.md").read_text()
+    groups = {line.split("`")[1].rstrip("/") for line in readme.splitlines() if line.startswith("| `")}
+    placed = {p.parent.name for p in TESTS.rglob("test_*.py")}
+    loose = sorted(str(p.relative_to(TESTS)) for p in TESTS.rglob("test_*.py")
+                   if p.parent.name not in groups or p.parent.parent != TESTS)
+    assert not loose, f"test modules outside the groups of tests/README.md ({sorted(groups)}): {loose}"
+    assert groups <= placed, f"groups named in tests/README.md with no tests: {sorted(groups - placed)}"

@@ -22,7 +22,7 @@ import pytest
 import zmq
 from support.peers import SPEC
 from support.procs import BrokerProc, free_port, rss_mib, spawn
-from synthetic import assert_same_segment, random_segment
+from support.synthetic import assert_same_segment, random_segment
 
 from zclaw import __version__
 from zclaw.launch import stop_processes
@@ -215,7 +215,7 @@ class Dealer:
 def test_fuzz_broker_and_learner_drop_exactly_the_bad_and_keep_good_data(tmp_path: Path) -> None:
     t_start = time.monotonic()
     # the fuzz checks decoding, not fairness: no token bucket in the way of its 30,000 requests (a fast
-    # host sends them above broker.request_rate; tests/test_hostile_broker.py covers the bucket)
+    # host sends them above broker.request_rate; tests/broker/test_hostile_broker.py covers the bucket)
     broker = BrokerProc('broker.mode="queue"', "broker.capacity=256", "broker.min_size=1",
                         "broker.max_reuse=1", "network.max_message_mb=1", "log.status_s=30",
                         "broker.request_rate=1e6", "broker.request_burst=1e6")

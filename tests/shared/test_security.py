@@ -21,7 +21,7 @@ import zmq.auth
 from support.logs import log_lines
 from support.procs import FAST, STATUS_MS, ZCLAW, Roles, free_port, sigterm, spawn
 from support.waiting import wait_until
-from synthetic import random_segment
+from support.synthetic import random_segment
 from zclaw import config as config_mod
 from zclaw.config import ConfigError
 from zclaw.launch import StatusClient

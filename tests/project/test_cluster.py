@@ -17,7 +17,7 @@ from support.procs import ZCLAW
 from zclaw import config as config_mod
 from zclaw.security import Security
 
-ROOT = Path(__file__).resolve().parent.parent
+ROOT = Path(__file__).resolve().parents[2]
 SBATCH = ROOT / "deploy" / "slurm" / "zclaw.sbatch"
 K8S = ROOT / "deploy" / "k8s"
 yaml = pytest.importorskip("yaml")

@@ -8,7 +8,7 @@ from typing import Dict, List
 import numpy as np
 import pytest
 from support.peers import SPEC, N, T, Worker, seg_arrays, with_header
-from synthetic import assert_same_segment
+from support.synthetic import assert_same_segment
 import zmq
 
 from zclaw import __version__

@@ -1,8 +1,8 @@
 """The start-up every role's main shares (zclaw/startup.py) and the stop signals under it
 (zclaw/stopping.py), in process: a signal sets the stop event, a second one runs ``on_repeat``, handlers come
 back, a role that cannot start logs why once and exits 2. The same codes from real role processes:
-tests/test_cli.py, tests/test_security.py, tests/test_learner.py, tests/test_handshake.py (3),
-tests/test_supervise.py (train)."""
+tests/tools/test_cli.py, tests/shared/test_security.py, tests/learner/test_learner.py,
+tests/wire/test_handshake.py (3), tests/system/test_supervise.py (train)."""
 from __future__ import annotations
 
 import os

@@ -15,7 +15,7 @@ import sys
 from pathlib import Path
 from typing import List, Set
 
-ROOT = Path(__file__).resolve().parents[1]
+ROOT = Path(__file__).resolve().parents[2]
 VERMIN = [sys.executable, "-c", "import sys, vermin; sys.exit(vermin.main())"]  # vermin has no __main__
 ENTRY = ("zclaw.cli", "zclaw.worker.worker", "zclaw.envs.registry", "zclaw.envs.isaacgym_backend")
 WORKER_SIDE = ("zclaw/wire", "zclaw/worker", "zclaw/envs", "zclaw/policy", "zclaw/config.py", "zclaw/logs.py",

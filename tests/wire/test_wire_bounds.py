@@ -10,7 +10,7 @@ import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 from support.peers import SPEC
-from synthetic import random_segment
+from support.synthetic import random_segment
 
 from zclaw.broker.server import Broker
 from zclaw.broker.store import Store

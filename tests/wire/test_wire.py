@@ -14,7 +14,7 @@ from zclaw.wire import EnvSpec, WireError, decode, encode, make, pack, parse, se
 from zclaw.wire.messages import SCHEMAS, batch_dims
 from zclaw.wire.protocol import PROTOCOL_VERSION, Parts, peer_version
 
-GOLDEN = Path(__file__).resolve().parent / "golden"
+GOLDEN = Path(__file__).resolve().parents[1] / "golden"
 _spec = importlib.util.spec_from_file_location("golden_generate", GOLDEN / "generate.py")
 golden = importlib.util.module_from_spec(_spec)
 _spec.loader.exec_module(golden)

@@ -30,7 +30,7 @@ from support.procs import Roles
 from zclaw.wire import EnvSpec, WireError, parse, segment_dims
 from zclaw.wire.messages import SCHEMAS, max_segment_bytes
 
-ROOT = Path(__file__).resolve().parents[1]
+ROOT = Path(__file__).resolve().parents[2]
 DOC = ROOT / "docs" / "protocol.md"
 STRANGER = ROOT / "tests" / "support" / "stranger.py"
 GOLDEN = ROOT / "tests" / "golden"

@@ -26,7 +26,7 @@ from zclaw.envs.isaacgym_backend import IsaacGymBatchedEnv, isaacgym_devices
 from zclaw.wire import bind, make_socket, parse
 from zclaw.worker import worker as worker_mod
 
-FAKES = Path(__file__).parent / "fakes"
+FAKES = Path(__file__).resolve().parents[1] / "fakes"
 CPU = torch.device("cpu")
 TASK = "isaacgym:FakeReach"
 

@@ -3,7 +3,7 @@ flooding client ``retry`` (token bucket) while others are served, and clients of
 give up after their bounded tries.
 
 These run the service thread in-process on real loopback sockets (fast, exact counts); the same attacks
-against live roles are in tests/test_faults.py.
+against live roles are in tests/system/test_faults.py.
 """
 from __future__ import annotations
 

@@ -88,7 +88,7 @@ def test_k1_is_exactly_flat_ppo_same_losses_and_parameters(mode: str, eps: float
         model = OptionPolicy(replace(model.cfg, option_epsilon=eps))
     ref = copy.deepcopy(model)
     # target_kl off: the equivalence is of the losses and the step, not of the early-stopping rule
-    # reward_scale off: the reference below predates it (tests/test_reward_scale.py covers the scaler)
+    # reward_scale off: the reference below predates it (tests/learner/test_reward_scale.py covers the scaler)
     c = learner_cfg(epochs=2, minibatches=3, ent_coef=0.01, mode=mode, target_kl=0.0, master_ent_coef=0.1,
                     reward_scale="off",
                     termination_coef=1.0, deliberation_cost=0.5, option_weights=True)

@@ -8,7 +8,7 @@ from pathlib import Path
 import pytest
 from support.procs import BrokerProc
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "bench"))
+sys.path.insert(0, str(Path(__file__).resolve().parents[2] / "bench"))
 import load as load_bench  # noqa: E402
 
 pytestmark = pytest.mark.slow

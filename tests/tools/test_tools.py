@@ -179,7 +179,7 @@ def test_the_quickstart_example_runs_the_exported_student(run_dir: Path, tmp_pat
     out_path = tmp_path / "student.pt"
     assert subprocess.run(ZCLAW + ["export", str(run_dir), str(out_path)], capture_output=True,
                           timeout=120).returncode == 0
-    text = (Path(__file__).resolve().parent.parent / "docs" / "quickstart.md").read_text()
+    text = (Path(__file__).resolve().parents[2] / "docs" / "quickstart.md").read_text()
     (code,) = [b for b in re.findall(r"```python\n(.*?)```", text, re.S) if "torch.jit.load" in b]
     assert len([ln for ln in code.splitlines() if ln.strip()]) <= 10
     scope: dict = {}

@@ -6,7 +6,7 @@ from typing import Any, Dict, List, Optional
 
 import numpy as np
 import pytest
-from synthetic import assert_same_segment, random_segment
+from support.synthetic import assert_same_segment, random_segment
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 

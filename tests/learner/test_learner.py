@@ -30,7 +30,7 @@ from zclaw.wire import EnvSpec, make, parse
 
 SPEC = EnvSpec("test:Synthetic-v0", (3,), (2,), (-1.0, -1.0), (1.0, 1.0))
 B, T, N = 2, 8, 2
-REPO = Path(__file__).resolve().parents[1]
+REPO = Path(__file__).resolve().parents[2]
 
 
 def synthetic_batch(keys: List[int], rng: np.random.Generator, version: int) -> list:

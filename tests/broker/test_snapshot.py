@@ -10,7 +10,7 @@ import pytest
 from support.logs import parse_lines
 from support.peers import SPEC, T, N, Worker, seg_arrays
 from support.procs import children
-from synthetic import assert_same_segment, random_segment
+from support.synthetic import assert_same_segment, random_segment
 
 from zclaw.broker import snapshot
 from zclaw.broker.store import Store

@@ -6,7 +6,7 @@ from collections import Counter
 import numpy as np
 import pytest
 import torch
-from synthetic import random_segment
+from support.synthetic import random_segment
 
 from zclaw.broker import Store
 from zclaw.broker.balance import OptionBalancer
