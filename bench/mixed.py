@@ -24,11 +24,13 @@ returns over the seeds. Exit status 1 if a role failed or any ``bad_shape`` was 
 
 Figures on a shared 2-core host are noisy: the workers, learner and broker of one run share 2 cores (and
 with other people's work), so the env-step rate, and with it the return at a fixed wall time, moves by
-several percent between identical runs; the shares within one run are the robust figures. Note also that
-``learner.batch_segments`` counts segments: a mixed run's batch of 4 segments holds 4 x 8 to 4 x 64 columns,
-so its learner makes more, smaller updates than the same-shape run's (compare ``updates``).
+several percent between identical runs; the shares within one run are the robust figures. Both runs size
+their batches in env columns (``--columns``, ``learner.batch_columns``, default 64): counted in segments, a
+mixed run's batch of 4 segments would hold 4 x 8 to 4 x 64 columns and its learner would make more, smaller
+updates than the same-shape run's (``--columns 0`` shows that; compare ``updates``).
 
-    python bench/mixed.py [--seconds 120] [--seeds 1] [--shapes 8,16,64] [--same-envs N] [--keep DIR]
+    python bench/mixed.py [--seconds 120] [--seeds 1] [--shapes 8,16,64] [--same-envs N] [--columns 64]
+                          [--keep DIR]
 """
 from __future__ import annotations
 
@@ -142,7 +144,8 @@ def one_run(label: str, shapes: List[int], seed: int, a: argparse.Namespace, roo
     """One run of ``len(shapes)`` workers, worker i with ``shapes[i]`` envs, for ``a.seconds`` from launch."""
     run_dir = root / f"{label}-seed{seed}"
     cfg = config_mod.load(str(a.config), [f"run.seed={seed}", "learner.tensorboard=false",
-                                          f"run.workers={len(shapes)}", *a.overrides])
+                                          f"run.workers={len(shapes)}", f"learner.batch_columns={a.columns}",
+                                          *a.overrides])
     config_path = prepare(cfg, run_dir)
     net = cfg["network"]
     common = ["--config", str(config_path)]
@@ -257,6 +260,8 @@ def main() -> None:
     ap.add_argument("--same-envs", type=int, default=None,
                     help="envs of each worker of the same-shape run (default: the mixed total over the "
                          "worker count, rounded)")
+    ap.add_argument("--columns", type=int, default=64,
+                    help="learner.batch_columns of both runs: env columns per batch (0: batch_segments)")
     ap.add_argument("--config", default=str(ROOT / "configs" / "reacher.toml"))
     ap.add_argument("--set", dest="overrides", action="append", default=[], metavar="SECTION.KEY=VALUE",
                     help="more config overrides for every role (repeatable)")
@@ -271,7 +276,8 @@ def main() -> None:
     root.mkdir(parents=True, exist_ok=True)
     print(f"mixed: {'+'.join(map(str, mixed))} = {sum(mixed)} envs; same shape: {len(same)} x {same_n} = "
           f"{sum(same)} envs; {a.seconds:g} s per run from launch, {a.seeds} seed(s); config "
-          f"{Path(a.config).name}", flush=True)
+          f"{Path(a.config).name}; batches of "
+          + (f"{a.columns} columns" if a.columns else "learner.batch_segments segments"), flush=True)
     runs: List[Dict[str, Any]] = []
     bad_total, failed = 0, False
     try:

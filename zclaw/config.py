@@ -180,8 +180,12 @@ SCHEMA: Dict[str, Dict[str, Key]] = {
                             min=1),
     },
     "learner": {
-        "batch_segments": Key(4, "segments per batch request (the broker serves at most 64 per request)",
-                              min=1, max=64),
+        "batch_segments": Key(4, "segments per batch request (the broker serves at most 64 per request); "
+                              "see batch_columns", min=1, max=64),
+        "batch_columns": Key(0, "env columns per batch (T steps of one env each): the broker serves whole "
+                             "segments until their columns reach this, at most 64 segments, so workers of "
+                             "different env counts make batches of one size. 0: off, batch_segments segments",
+                             min=0, max=1 << 20),
         "prefetch": Key(2, "batch requests kept in flight, so the next batch arrives while "
                         "one trains (1: none)",
                         min=1, max=16),
@@ -301,7 +305,7 @@ def _validate_cross(cfg: Dict[str, Dict[str, Any]]) -> None:
     if b["min_size"] > b["capacity"]:
         raise ConfigError(f"broker.min_size = {b['min_size']} exceeds broker.capacity = "
                           f"{b['capacity']}: never serves")
-    if L["batch_segments"] > b["capacity"]:
+    if L["batch_columns"] == 0 and L["batch_segments"] > b["capacity"]:
         raise ConfigError(
             f"learner.batch_segments = {L['batch_segments']} exceeds broker.capacity = "
             f"{b['capacity']}: never serves"

@@ -163,6 +163,45 @@ def test_workers_of_different_env_counts_feed_one_store_and_every_segment_reache
     broker.stop()
 
 
+def test_a_batch_sized_in_columns_is_one_size_whatever_the_workers_env_counts(start_broker) -> None:
+    """``columns`` in a sample request: workers of 2 and 16 envs, batches of at least 32 columns made of
+    whole segments (never more than one segment past the target), each segment bit for bit; the rate
+    limiter counts the segments actually served; a target out of range is an error, counted."""
+    broker = start_broker("broker.min_size=1", "broker.mode=\"uniform\"", "broker.max_reuse=0",
+                          "broker.samples_per_insert=2.0", "broker.spi_error_buffer=4.0")
+    rng = np.random.default_rng(6)
+    workers = {n: Worker(broker.ctx, broker.ingest_port, identity=f"w{n}-cols") for n in (2, 16)}
+    sent: Dict[str, List[Segment]] = {w.identity: [] for w in workers.values()}
+    for w in workers.values():
+        w.hello(segment_length=T)
+    for i in range(6):
+        for n, w in workers.items():
+            sent[w.identity].append(w.segment(seg_arrays(rng, version=0, N=n)))
+    broker.wait_for(lambda r: r["inserted_segments"] == 12, "twelve inserts")
+    served = 0
+    sizes = set()
+    while True:
+        batch = broker.sample(64, columns=32)
+        if batch.kind != "batch":
+            assert batch.kind == "retry" and batch["reason"] == "rate_limited", batch.header
+            break
+        cols = batch["columns"]
+        assert sum(cols) >= 32 and sum(cols[:-1]) < 32, cols
+        sizes.add(len(cols))
+        served += len(cols)
+        for b, (who, seq) in enumerate(zip(batch["workers"], batch["seqs"])):
+            assert_same_segment(batch.arrays, cols, b, sent[who][seq].arrays)
+    assert len(sizes) > 1  # 2 x 16, 1 x 16 + 8 x 2, ...: the segment count follows the shapes drawn
+    # samples_per_insert 2 with a buffer of 4: the served segments stay within 12 x 2 + 4
+    assert 12 * 2 - 16 < served <= 12 * 2 + 4
+    assert broker.status()["sampled_segments"] == served
+    assert broker.sample(4, columns=(1 << 20) + 1).kind == "error"
+    assert broker.status()["drops"].get("bad_value") == 1
+    for w in workers.values():
+        w.close()
+    broker.stop()
+
+
 def test_rate_limiter_samples_per_insert(start_broker) -> None:
     broker = start_broker("broker.mode=\"uniform\"", "broker.max_reuse=0", "broker.samples_per_insert=1.0",
                           "broker.spi_error_buffer=1.0", "broker.min_size=1")

@@ -159,6 +159,66 @@ def test_importance_weights() -> None:
     assert w[1] == pytest.approx((1.5 ** -0.5) / (0.5 ** -0.5))
 
 
+def test_a_batch_sized_in_columns_keeps_whole_segments_in_draw_order_until_the_target() -> None:
+    """Queue mode draws oldest first: 8 + 8 + 16 = 32 < 40, + 64 reaches it, so four segments (96 columns)
+    are served, the fifth is not; the next batch starts where this one stopped."""
+    rng = np.random.default_rng(3)
+    store = Store(SPEC, capacity=8, mode="queue", max_reuse=1)
+    for i, n in enumerate((8, 8, 16, 64, 8, 8)):
+        store.insert(seg_msg(seg_arrays(4, n, rng), seq=i, worker=f"w{n}"))
+    batch = store.sample(64, learner_version=0, columns=40)
+    assert batch is not None and batch.keys == [0, 1, 2, 3] and batch.columns == [8, 8, 16, 64]
+    assert batch.arrays["obs"].shape == (5, 96, 3) and len(batch.arrays["is_weight"]) == 4
+    assert store.fill == 2
+    # 16 columns left, fewer than 40 and fewer segments than the 64 allowed: not enough data, nothing used
+    assert store.sample(64, learner_version=0, columns=40) is None and store.last_reason == "not_enough_data"
+    assert store.fill == 2
+    # with at most 2 segments allowed they are served even short of the target
+    batch = store.sample(2, learner_version=0, columns=40)
+    assert batch is not None and batch.columns == [8, 8]
+
+
+@settings(max_examples=40, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@given(
+    mode=st.sampled_from(["uniform", "prioritized", "queue"]),
+    envs=st.lists(st.sampled_from([1, 2, 8, 16, 64]), min_size=1, max_size=12),
+    target=st.integers(1, 300),
+    n=st.integers(1, 12),
+    seed=st.integers(0, 2**16),
+)
+def test_a_column_sized_batch_is_the_shortest_draw_that_reaches_its_target(
+        mode: str, envs: List[int], target: int, n: int, seed: int) -> None:
+    """In every mode: the batch is served exactly when the store could fill it, holds at most ``n``
+    segments, and drops its last segment only by falling short of the target (or hitting ``n``)."""
+    rng = np.random.default_rng(seed)
+    store = Store(SPEC, capacity=16, mode=mode, max_reuse=1, alpha=0.6, beta=0.4, seed=seed)
+    for i, N in enumerate(envs):
+        store.insert(seg_msg(seg_arrays(2, N, rng), seq=i))
+    batch = store.sample(n, learner_version=0, columns=target)
+    if len(envs) < n and sum(envs) < target:
+        assert batch is None and store.last_reason == "not_enough_data"
+        return
+    assert batch is not None
+    cols = batch.columns
+    assert 1 <= len(cols) <= n and len(set(batch.keys)) == len(cols)
+    assert sum(cols[:-1]) < target  # without its last segment the batch would fall short
+    assert sum(cols) >= target or len(cols) == min(n, len(envs))
+    assert batch.arrays["obs"].shape[1] == sum(cols)
+    w = batch.arrays["is_weight"]
+    assert len(w) == len(cols) and w.max() == pytest.approx(1.0) and (w > 0).all()
+
+
+def test_column_target_zero_is_the_segment_count_and_bad_targets_are_refused() -> None:
+    rng = np.random.default_rng(4)
+    store = Store(SPEC, capacity=4, mode="uniform", max_reuse=0, seed=1)
+    for i, N in enumerate((2, 64, 2)):
+        store.insert(seg_msg(seg_arrays(2, N, rng), seq=i))
+    assert all(len(store.sample(2, 0, columns=0).columns) == 2 for _ in range(20))  # whatever their columns
+    for bad in (-1, 2.5, True):
+        with pytest.raises(ValueError, match="columns"):
+            store.sample(2, 0, columns=bad)
+
+
 def test_constructor_refuses_bad_arguments_quoting_them() -> None:
     with pytest.raises(ValueError, match="max_reuse = 0"):
         Store(SPEC, 4, mode="queue", max_reuse=0)

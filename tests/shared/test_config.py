@@ -43,12 +43,23 @@ def test_overrides_are_typed_and_applied() -> None:
          "policy.option_epsilon = 1.0 is not allowed: expected a number in [0, 1)"),
         ("policy.option_epsilon=-0.1", "policy.option_epsilon = -0.1 is not allowed"),
         ("noequals", "expected section.key=value"),
+        ("learner.batch_columns=-1", "learner.batch_columns = -1 is not allowed: expected an integer in"),
     ],
 )
 def test_bad_config_names_key_and_allowed(override: str, needle: str) -> None:
     with pytest.raises(config.ConfigError) as info:
         config.load(None, [override])
     assert needle in str(info.value)
+
+
+def test_a_batch_in_columns_is_not_bound_by_batch_segments_and_capacity() -> None:
+    """learner.batch_segments over broker.capacity can never be served; with learner.batch_columns on it
+    is not what sizes the batch, so the pair is accepted."""
+    with pytest.raises(config.ConfigError, match="learner.batch_segments = 64 exceeds broker.capacity = 8"):
+        config.load(None, ["broker.capacity=8", "broker.min_size=1", "learner.batch_segments=64"])
+    cfg = config.load(None, ["broker.capacity=8", "broker.min_size=1", "learner.batch_segments=64",
+                             "learner.batch_columns=256"])
+    assert cfg["learner"]["batch_columns"] == 256
 
 
 def test_file_errors(tmp_path: Path) -> None:

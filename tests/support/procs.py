@@ -177,10 +177,11 @@ class BrokerProc:
         return reply["report"]
 
     def sample(
-        self, n: int, version: int = 0, keys: Optional[list] = None, prios: Optional[list] = None
+        self, n: int, version: int = 0, keys: Optional[list] = None, prios: Optional[list] = None,
+        columns: int = 0,
     ) -> Message:
         return self.request(make("sample", batch_size=n, version=version, priority_keys=keys or [],
-                                 priorities=prios or []))
+                                 priorities=prios or [], columns=columns))
 
     def wait_for(
         self, pred: Callable[[Dict[str, Any]], bool], what: str, timeout_s: float = 10.0

@@ -14,7 +14,8 @@ def test_roles_by_hand_train_together_and_a_late_worker_acts_on_current_weights(
     roles: Roles, tmp_path: Path
 ) -> None:
     roles.start("broker")
-    roles.start("learner", "--run-dir", str(tmp_path / "run"))
+    # batches sized in env columns (learner.batch_columns): 12 or more, never past a segment over 12
+    roles.start("learner", "--run-dir", str(tmp_path / "run"), "--set", "learner.batch_columns=12")
     roles.start("worker", "--env", "gym:Reacher-v5", "--index", "0", name="worker0")
     rep = roles.wait(roles.learner, lambda r: (r.get("version") or 0) >= 5, timeout=90)
     assert rep["spec"]["env_id"] == "gym:Reacher-v5"
@@ -41,7 +42,9 @@ def test_roles_by_hand_train_together_and_a_late_worker_acts_on_current_weights(
     mine = b["workers"][w1]
     assert mine["envs"] == 2 and mine["steps"] == mine["segments"] * 32 * 2
     assert not {"bad_shape", "oversize"} & set(b["drops"]), b["drops"]
-    roles.wait(roles.learner, lambda r: r["version"] >= joined_at + 3, timeout=60)  # trains on the mix
+    rep = roles.wait(roles.learner, lambda r: r["version"] >= joined_at + 3, timeout=60)  # trains on the mix
+    # 4 + 4 + 4, 4 + 2 + 2 + 4, 2 x 6, ...: every batch 12 to 15 columns of 32 steps, whatever the mix
+    assert 12 * 32 <= rep["steps_consumed"] / rep["updates"] <= 15 * 32, rep
     # measured by the worker itself: from "worker starting" (envs built) through the broker's welcome
     # and the learner's snapshot to the first action
     assert acting["join_s"] < 1.0, acting

@@ -48,7 +48,7 @@ import zmq
 from .. import __version__
 from ..telemetry import EpisodeWindow, RateMeter, ResourceMeter, resources_from_wire
 from ..tokens import TokenBucket
-from ..wire.limits import (INGEST_HEADER_BYTES, MAX_BATCH_SEGMENTS, MAX_REPORT_WORKERS,
+from ..wire.limits import (INGEST_HEADER_BYTES, MAX_BATCH_COLUMNS, MAX_BATCH_SEGMENTS, MAX_REPORT_WORKERS,
                            MAX_REQUEST_HEADER_BYTES, MAX_SEGMENT_STEPS, REQUEST_SOCKET_BYTES, header_length)
 from ..wire.messages import EnvSpec, make, max_segment_bytes, parse
 from ..wire.protocol import (MAX_HEADER_BYTES, PROTOCOL_VERSION, Frame, Message, WireError, encode_refusal,
@@ -541,17 +541,26 @@ class Broker:
         if not 1 <= n <= top:
             raise WireError("bad_value", f"batch_size = {n} must be in [1, {top}] (broker.capacity, and "
                             f"{MAX_BATCH_SEGMENTS} segments per batch at most)")
+        columns = msg.get("columns") or 0
+        if not 0 <= columns <= MAX_BATCH_COLUMNS:
+            raise WireError("bad_value", f"columns = {columns} must be in [0, {MAX_BATCH_COLUMNS}] (0: "
+                            f"batch_size segments)")
         if msg["version"] < 0:
             raise WireError("bad_value", f"version = {msg['version']} must be >= 0")
-        self.last_batch_size = n
-        reason = self.limiter.can_sample(n)
+        # sized in columns, the batch's segment count is known once drawn: one must be allowed to start
+        reason = self.limiter.can_sample(1 if columns else n)
         if reason is not None:
             return self._retry(reason)
         if self.store is None or self.spec is None:
             return self._retry("not_enough_data")
-        batch = self.store.sample(n, msg["version"], commit=False)
+        batch = self.store.sample(n, msg["version"], commit=False, columns=columns)
         if batch is None:
             return self._retry(self.store.last_reason or "not_enough_data")
+        n = len(batch.keys)
+        self.last_batch_size = n
+        reason = self.limiter.can_sample(n) if columns else None
+        if reason is not None:  # drawn but not committed: nothing is used up
+            return self._retry(reason)
         # built first, committed after: a batch that cannot be sent uses no segment up
         reply = make(
             "batch",

@@ -498,38 +498,54 @@ class Store:
             self.drops["stale"] += int(len(stale))
         return int(len(stale))
 
-    def sample(self, n: int, learner_version: int, commit: bool = True) -> Optional[SampledBatch]:
+    def sample(self, n: int, learner_version: int, commit: bool = True,
+               columns: int = 0) -> Optional[SampledBatch]:
         """``n`` distinct segments in batch layout, or None (``last_reason`` says why).
 
-        Stale segments are dropped first; then if fewer than ``n`` remain the answer is None with
-        ``last_reason = "not_enough_data"``. Counts one use of each segment returned and removes
+        With ``columns > 0`` the batch is sized in env columns instead: segments are drawn as for ``n``
+        and kept, in the order drawn, until their columns reach ``columns`` (or ``n`` were drawn), so
+        workers of 8 and of 64 envs make batches of one size. Segments are never split: a batch holds
+        at most one segment's columns over ``columns``. Drawing stops early with the same distribution
+        as a smaller ``n`` (every mode draws sequentially or in a random order), and importance weights
+        are those of the segments kept.
+
+        Stale segments are dropped first; then if fewer than ``n`` remain (with ``columns``: fewer than
+        ``n`` and fewer than ``columns`` columns in all) the answer is None with ``last_reason =
+        "not_enough_data"``. Counts one use of each segment returned and removes
         those that reached ``max_reuse``; with ``commit=False`` that is left to :meth:`commit`, which the
         caller runs once the batch was built into a message (a batch that could not be sent must not
         use its segments up).
         """
         if isinstance(n, bool) or not isinstance(n, int) or n < 1:
             raise ValueError(f"n = {n!r} must be an integer >= 1")
+        if isinstance(columns, bool) or not isinstance(columns, int) or columns < 0:
+            raise ValueError(f"columns = {columns!r} must be an integer >= 0")
         self.last_reason = None
         if self.T is None:
             self.last_reason = "not_enough_data"
             return None
         self.drop_stale(learner_version)
         occupied = np.flatnonzero(self._key >= 0)
-        if len(occupied) < n:
+        if len(occupied) < n and (columns == 0 or int(self._cols[occupied].sum()) < columns):
             self.last_reason = "not_enough_data"
             return None
-        is_weight = np.ones(n, dtype=np.float32)
+        m = min(n, len(occupied))
+        is_weight = np.ones(m, dtype=np.float32)
         if self._balance is not None:
-            slots = self._balance.choose(occupied, n, self._rng)
+            slots = self._balance.choose(occupied, m, self._rng)
         elif self.mode == "queue":
-            slots = occupied[np.argsort(self._key[occupied], kind="stable")[:n]]
+            slots = occupied[np.argsort(self._key[occupied], kind="stable")[:m]]
         elif self.mode == "uniform":
-            slots = self._rng.choice(occupied, size=n, replace=False)
+            slots = self._rng.choice(occupied, size=m, replace=False)
         else:
-            slots, probs = self._sample_prioritized(n)
-            w = (len(occupied) * probs) ** (-self.beta)
-            is_weight = (w / w.max()).astype(np.float32)
+            slots, probs = self._sample_prioritized(m)
+            is_weight = ((len(occupied) * probs) ** (-self.beta)).astype(np.float32)
         slots = np.asarray(slots, dtype=np.int64)
+        if columns > 0:  # the shortest prefix of the draw whose columns reach the target
+            reached = np.flatnonzero(np.cumsum(self._cols[slots]) >= columns)
+            keep = int(reached[0]) + 1 if len(reached) else m
+            slots, is_weight = slots[:keep], is_weight[:keep]
+        is_weight = (is_weight / is_weight.max()).astype(np.float32)
         batch = self._gather(slots, is_weight, int(learner_version))
         if commit:
             self.commit(batch)

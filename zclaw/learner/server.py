@@ -35,7 +35,7 @@ import threading
 import time
 from collections import Counter
 from pathlib import Path
-from typing import Any, Dict, List, Optional
+from typing import Any, Dict, List, Optional, Tuple
 
 import numpy as np
 import torch
@@ -47,7 +47,7 @@ from ..policy.networks import OptionPolicy
 from ..policy.weights import policy_config, weights_message
 from ..fleet import broker_shards, broker_total
 from ..wire import DropCounter, EnvSpec, Message, WireError, bind, make, make_socket, parse, tcp
-from ..wire.limits import REQUEST_SOCKET_BYTES
+from ..wire.limits import MAX_BATCH_SEGMENTS, REQUEST_SOCKET_BYTES
 from ..wire.protocol import PROTOCOL_VERSION, encode_refusal, peer_version
 from ..wire.messages import batch_dims
 from ..wire.sockets import CurveServer, term_context
@@ -92,6 +92,17 @@ MAX_HELD = 1024
 #: (HWM) and libzmq learns what its I/O thread drained only every ~1 ms, so a burst to one peer fills it; the
 #: socket has ROUTER_MANDATORY, so a full queue is told (EAGAIN) and that answer goes again 2 ms later
 RELEASE_BURST = 16
+
+
+def batch_request_size(cfg: Dict[str, Dict[str, Any]]) -> Tuple[int, int]:
+    """``(batch_size, columns)`` of this learner's ``sample`` requests: ``learner.batch_segments`` segments,
+    or with ``learner.batch_columns`` on, that many columns out of at most as many segments as a broker
+    serves (64, or fewer when ``broker.capacity`` is smaller)."""
+    L = cfg["learner"]
+    columns = int(L["batch_columns"])
+    if columns == 0:
+        return int(L["batch_segments"]), 0
+    return min(MAX_BATCH_SEGMENTS, int(cfg["broker"]["capacity"])), columns
 
 
 def loop_report(last_answer: Optional[float], answered: int, errors: int) -> Dict[str, Any]:
@@ -595,7 +606,7 @@ class Learner:
 
     def train_loop(self) -> None:
         assert self.shards is not None and self.trainer is not None and self.spec is not None
-        B = int(self.lcfg["batch_segments"])
+        B, C = batch_request_size(self.cfg)
         status_s = float(self.cfg["log"]["status_s"])
         metrics_s = float(self.cfg["log"].get("metrics_s", 0.0))
         last_metrics_line = 0.0
@@ -620,8 +631,8 @@ class Learner:
                 continue
             version = int(self.version)
             reply = self.shards.request(
-                shard, lambda keys, prios: make("sample", batch_size=B, version=version, priority_keys=keys,
-                                                priorities=prios), stop=self.stop.is_set)
+                shard, lambda keys, prios: make("sample", batch_size=B, columns=C, version=version,
+                                                priority_keys=keys, priorities=prios), stop=self.stop.is_set)
             if reply is None:
                 if self.stop.is_set():
                     break

@@ -34,6 +34,9 @@ MAX_UNKNOWN_BYTES = 1024
 MAX_SEGMENT_STEPS = 1 << 16
 #: segments one ``sample`` may ask for (and one ``batch`` may carry, with as many priorities)
 MAX_BATCH_SEGMENTS = 64
+#: env columns one ``sample`` may ask for (``columns``: a batch sized in columns, still at most
+#: MAX_BATCH_SEGMENTS segments)
+MAX_BATCH_COLUMNS = 1 << 20
 #: bytes of a segment's header frame (worker id, seq, spec hash, episodes, the arrays list)
 MAX_SEGMENT_HEADER_BYTES = 16_000
 #: what a batch header holds besides its per-segment entries (kind, v, spec_hash, the arrays list with

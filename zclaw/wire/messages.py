@@ -54,9 +54,12 @@ SCHEMAS: Dict[str, Dict[str, Tuple[tuple, bool]]] = {
     # ``resources``: the sender's CPU, memory, threads and GPU (a worker's, with every heartbeat; the broker
     # keeps it only in the fixed shape zclaw.telemetry.resources_from_wire rebuilds)
     "hello": dict(_ANNOUNCE, resources=((dict,), False)),
-    # learner -> broker (DEALER): ask for a batch, return priorities of one already trained
+    # learner -> broker (DEALER): ask for a batch, return priorities of one already trained.
+    # ``batch_size``: segments; with ``columns`` > 0 the most segments, kept in the order drawn until their
+    # env columns reach ``columns`` (a batch of one size from workers of any env count)
     "sample": {
         "batch_size": ((int,), True),
+        "columns": ((int,), False),
         "version": ((int,), True),
         "priority_keys": ((list,), False),
         "priorities": ((list,), False),
