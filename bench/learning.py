@@ -6,6 +6,7 @@ Usage::
     python bench/learning.py --tasks reacher --seeds 1 --cap 180 --md /tmp/table.md
     python bench/learning.py --cap reacher=180,pusher=240,fetch_reach=100  # a cap per task
     python bench/learning.py --tasks reacher --variants k1,sb3,sf --sf-python /work/sf-venv/bin/python
+    python bench/learning.py --tasks reacher --variants k1,noscale --define noscale=learner.reward_scale=off
 
 Each run is its own process tree with the same CPU budget (the whole machine, one run at a time) and
 a wall-time cap; a run that misses a threshold reports "> cap". Thresholds (the mean over the last
@@ -74,12 +75,27 @@ def first_crossing(points: List[Tuple[float, Optional[float]]], threshold: float
 
 # -- zclaw ----------------------------------------------------------------------------------------
 
-def run_zclaw(task: str, K: int, seed: int, cap: float, out: Path, eval_episodes: int = 20) -> Dict[str, Any]:
+def parse_defines(items: List[str]) -> Dict[str, List[str]]:
+    """``--define NAME=section.key=value;section.key=value`` -> {NAME: [overrides]} (here and in
+    bench/suite.py: an ablation arm is zclaw with those overrides)."""
+    out: Dict[str, List[str]] = {}
+    for item in items:
+        name, _, sets = item.partition("=")
+        if not name or not sets:
+            raise SystemExit(f"--define {item!r}: expected NAME=section.key=value[;section.key=value...]")
+        out[name] = [s.strip() for s in sets.split(";") if s.strip()]
+    return out
+
+
+def run_zclaw(task: str, arm: str, overrides: List[str], seed: int, cap: float, out: Path,
+              eval_episodes: int = 20) -> Dict[str, Any]:
+    """One ``zclaw train`` of the task's config plus ``overrides`` (the arm ``arm``), capped at ``cap``."""
     spec = TASKS[task]
-    run_dir = out / f"zclaw-{task}-k{K}-s{seed}"
+    run_dir = out / f"zclaw-{task}-{arm}-s{seed}"
     cmd = [sys.executable, "-m", "zclaw.cli", "train", "--config", str(ROOT / spec["config"]), "--time",
-           str(cap), "--run-dir", str(run_dir), "--set", f"policy.options={K}", "--set", f"run.seed={seed}",
-           "--set", "log.metrics_s=2.0"]
+           str(cap), "--run-dir", str(run_dir), "--set", f"run.seed={seed}", "--set", "log.metrics_s=2.0"]
+    for o in overrides:
+        cmd += ["--set", o]
     for p in FREE_PORTS:
         cmd += ["--set", p]
     t0 = time.time()
@@ -365,8 +381,11 @@ def main() -> None:
     ap.add_argument("--seeds", type=int, default=3)
     ap.add_argument("--cap", default="600", help="seconds per run: one number, or task=seconds pairs")
     ap.add_argument("--variants", default="k1,k4,sb3,sf",
-                    help="comma list of k1, k4, sb3, sf "
-                         "(Sample Factory APPO, Reacher only; needs --sf-python)")
+                    help="comma list of k1, k4, sb3, sf (Sample Factory APPO, Reacher only; needs "
+                         "--sf-python), or a name given with --define")
+    ap.add_argument("--define", action="append", default=[], metavar="NAME=OVERRIDES",
+                    help="a zclaw arm: the task's config (K = 1) plus NAME=section.key=value[;...] "
+                         "(repeatable), e.g. noscale=learner.reward_scale=off")
     ap.add_argument("--sf-python", default=SF_PYTHON,
                     help="python of the venv with Sample Factory, for the sf variant (default: %(default)s)")
     ap.add_argument("--out", default=None, help="directory for run dirs and logs (default: a temp dir)")
@@ -377,9 +396,14 @@ def main() -> None:
     out = Path(args.out or tempfile.mkdtemp(prefix="zclaw-bench-"))
     out.mkdir(parents=True, exist_ok=True)
     variants = args.variants.split(",")
+    arms: Dict[str, List[str]] = {"k1": ["policy.options=1"], "k4": ["policy.options=4"]}
+    for arm, sets in parse_defines(args.define).items():
+        arms[arm] = ["policy.options=1", *sets]
+        NAMES[arm] = f"zclaw {arm}"
     unknown = [v for v in variants if v not in NAMES]
     if unknown:
-        raise SystemExit(f"--variants: unknown {', '.join(unknown)}; known: {', '.join(NAMES)}")
+        raise SystemExit(f"--variants: unknown {', '.join(unknown)}; known: {', '.join(NAMES)} and the names "
+                         "given with --define")
     tasks = args.tasks.split(",")
     caps = parse_caps(args.cap, tasks)
     sf_skip = sf_missing(args.sf_python) if "sf" in variants and set(tasks) & set(SF_TASKS) else None
@@ -403,7 +427,7 @@ def main() -> None:
                 elif variant == "sf":
                     r = run_sf(task, seed, cap, out, args.sf_python)
                 else:
-                    r = run_zclaw(task, 1 if variant == "k1" else 4, seed, cap, out, args.eval_episodes)
+                    r = run_zclaw(task, variant, arms[variant], seed, cap, out, args.eval_episodes)
                 print(f"[bench]   time to threshold {r['time']}, final {r['final']}", flush=True)
                 runs.append(r)
             results[task][name] = runs

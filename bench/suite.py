@@ -42,7 +42,8 @@ from pathlib import Path
 from typing import Dict, List, Optional, Sequence, Tuple
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from learning import FREE_PORTS, ROOT, SF_PYTHON, run_sf, sb3_curve, sf_missing  # noqa: E402
+from learning import (FREE_PORTS, ROOT, SF_PYTHON, parse_defines, run_sf, sb3_curve,  # noqa: E402
+                      sf_missing)
 
 #: name -> (gymnasium id, metric); arms, a hand, bodies with early termination or long horizons
 TASKS: Dict[str, Tuple[str, str]] = {
@@ -153,17 +154,6 @@ def report(results: Dict[str, Dict[str, List[Curve]]], cap: float, seeds: int) -
             out.append(f"| {task} | {variant} | " + " | ".join(cells)
                        + f" | {fmt(steps, 0)} | {fmt(eq, 3)} | {ratio} | {tt} |")
     return "\n".join(out)
-
-
-def parse_defines(items: Sequence[str]) -> Dict[str, List[str]]:
-    """``--define NAME=section.key=value;section.key=value`` -> {NAME: [overrides]}."""
-    out: Dict[str, List[str]] = {}
-    for item in items:
-        name, _, sets = item.partition("=")
-        if not name or not sets:
-            raise SystemExit(f"--define {item!r}: expected NAME=section.key=value[;section.key=value...]")
-        out[name] = [s.strip() for s in sets.split(";") if s.strip()]
-    return out
 
 
 def main(argv: Optional[Sequence[str]] = None) -> int:

@@ -41,8 +41,11 @@ CASES = {
               r"mixed seed 0: 2\+4\+8 = 14 envs[\s\S]*same  seed 0: 3 x 5 = 15 envs[\s\S]*"
               r"bad_shape drops and refusals, all runs: 0 \(must be 0\)"),
     # zclaw only (SB3 and Sample Factory are not in the test install): one short run and its table row
-    "learning": (["--tasks", "reacher", "--variants", "k1", "--seeds", "1", "--cap", "10"],
-                 r"\| reacher \| return >= -5\.0 \| zclaw K=1 \| "),
+    # and an arm given with --define (its own run dir and row)
+    "learning": (["--tasks", "reacher", "--variants", "k1,noscale", "--seeds", "1", "--cap", "10",
+                  "--define", "noscale=learner.reward_scale=off"],
+                 r"\| reacher \| return >= -5\.0 \| zclaw K=1 \| [\s\S]*\| reacher \| return >= -5\.0 \| "
+                 r"zclaw noscale \| "),
     # a live Reacher run and three cheap attacks of 2 s windows (no joins): the per-attack lines
     "hostile": (["--window", "2", "--attacks", "parts,blowup,oversize", "--big-mb", "8", "--joins", "0"],
                 rf"attack oversize: ingest during/base ({FLOAT}|n/a) after/base ({FLOAT}|n/a), updates "
