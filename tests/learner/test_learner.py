@@ -16,6 +16,7 @@ from typing import Any, Dict, List, Optional
 
 import numpy as np
 import pytest
+from support.logs import log_lines
 from support.procs import free_port, sigterm, spawn
 from support.waiting import wait_until
 import zmq
@@ -33,7 +34,10 @@ B, T, N = 2, 8, 2
 REPO = Path(__file__).resolve().parents[2]
 
 
-def synthetic_batch(keys: List[int], rng: np.random.Generator, version: int) -> list:
+def synthetic_batch(keys: List[int], rng: np.random.Generator, version: int,
+                    columns: Optional[List[int]] = None) -> list:
+    """B segments of N envs each, or of ``columns`` envs (summing to B x N: the same arrays, split
+    otherwise)."""
     D, A = SPEC.obs_shape[0], SPEC.action_shape[0]
     arrays = {
         "obs": rng.normal(size=(B, T + 1, N, D)).astype(np.float32),
@@ -51,8 +55,8 @@ def synthetic_batch(keys: List[int], rng: np.random.Generator, version: int) -> 
         "is_weight": np.ones(B, np.float32),
     }
     arrays["truncated"][1, T - 1, 0] = True
-    return make("batch", batch_layout(arrays), keys=keys, columns=[N] * B, workers=["w0"] * B, seqs=keys,
-                spec_hash=SPEC.hash, episodes=[{"return": -5.0, "length": 50}])
+    return make("batch", batch_layout(arrays), keys=keys, columns=columns or [N] * B, workers=["w0"] * B,
+                seqs=keys, spec_hash=SPEC.hash, episodes=[{"return": -5.0, "length": 50}])
 
 
 class BrokerStandIn(threading.Thread):
@@ -70,6 +74,7 @@ class BrokerStandIn(threading.Thread):
         self.lock = threading.Lock()
         self.next_key = 0
         self.rng = np.random.default_rng(0)
+        self.columns: Optional[List[int]] = None  # each batch's segment env counts (None: N each)
 
     def run(self) -> None:
         while not self.stop.is_set():
@@ -101,7 +106,8 @@ class BrokerStandIn(threading.Thread):
             return make("welcome", role="broker", identity="broker-standin", host="h", pid=1, zclaw="0",
                         spec=spec, segment_length=T, max_message_bytes=1 << 30)
         with self.lock:
-            entry = {k: msg.get(k) for k in ("batch_size", "version", "priority_keys", "priorities")}
+            entry = {k: msg.get(k) for k in ("batch_size", "columns", "version", "priority_keys",
+                                             "priorities")}
             self.requests.append(entry)
             if len(self.requests) % 4 == 1:  # every few requests: not yet
                 entry["answered"] = None
@@ -109,7 +115,7 @@ class BrokerStandIn(threading.Thread):
             keys = list(range(self.next_key, self.next_key + B))
             self.next_key += B
             entry["answered"] = keys
-        return synthetic_batch(keys, self.rng, int(msg["version"]))
+        return synthetic_batch(keys, self.rng, int(msg["version"]), self.columns)
 
     def sample_count(self) -> int:
         with self.lock:
@@ -158,8 +164,10 @@ class Subscriber:
         self.sock.close(linger=0)
 
 
-def start_learner(run_dir: Path, ports: Dict[str, int], resume: bool, log_file: Path) -> subprocess.Popen:
+def start_learner(run_dir: Path, ports: Dict[str, int], resume: bool, log_file: Path,
+                  *more: str) -> subprocess.Popen:
     sets = [
+        *more,
         f"network.serve_port={ports['serve']}", f"network.publish_port={ports['pub']}",
         f"network.learner_port={ports['router']}", "network.request_timeout_ms=2000",
         "learner.batch_segments=2", "learner.epochs=1", "learner.minibatches=2", "learner.checkpoint_s=1",
@@ -299,3 +307,32 @@ def test_resume_without_a_checkpoint_fails_clearly(tmp_path: Path) -> None:
     proc = start_learner(tmp_path / "empty", ports, resume=True, log_file=log)
     assert proc.wait(30) == 2
     assert "no checkpoint" in log.read_text()
+
+
+@pytest.mark.timeout(120)
+def test_a_learner_sized_in_segments_says_once_that_unlike_workers_make_batches_vary(tmp_path: Path,
+                                                                                     broker) -> None:
+    """Batches joining segments of 1 and 3 envs, asked for in segments: the learner trains on them and logs,
+    once, that ``learner.batch_columns`` would size them alike; asked for in columns, its requests carry
+    the target and the most segments a broker serves."""
+    broker.columns = [1, 3]
+    broker.spec_ready.set()
+    log = tmp_path / "learner.log"
+    proc = start_learner(tmp_path / "run", broker.ports, False, log)
+    try:
+        wait_until(lambda: broker.sample_count() >= 12, 60, "twelve sample requests", proc=proc, output=log)
+        hints = [e for e in log_lines(log) if "learner.batch_columns" in str(e.get("event"))]
+        assert len(hints) == 1 and hints[0]["columns"] == [1, 3] and hints[0]["level"] == "warning", hints
+        assert all(not r["columns"] for r in broker.requests)
+    finally:
+        stop_learner(proc, log)
+    log2 = tmp_path / "learner2.log"
+    proc = start_learner(tmp_path / "run2", broker.ports, False, log2, "learner.batch_columns=6")
+    try:
+        n = broker.sample_count()
+        wait_until(lambda: broker.sample_count() >= n + 4, 60, "requests in columns", proc=proc, output=log2)
+        asked = broker.requests[n:]
+        assert all(r["columns"] == 6 and r["batch_size"] == 64 for r in asked), asked
+        assert not [e for e in log_lines(log2) if "learner.batch_columns" in str(e.get("event"))]
+    finally:
+        stop_learner(proc, log2)

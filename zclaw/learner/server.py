@@ -373,6 +373,7 @@ class Learner:
         self.version: Optional[int] = None
         self.updates = 0
         self.steps_consumed = 0
+        self._told_unlike = False  # the hint to size batches in columns was logged
         self.losses: Dict[str, float] = {}
         self.lag_sum = 0.0
         self.lag_n = 0
@@ -649,6 +650,11 @@ class Learner:
             except WireError as exc:
                 self.drops.drop(exc.cause, str(exc))
                 continue
+            if C == 0 and not self._told_unlike and len(set(reply["columns"])) > 1:
+                self._told_unlike = True  # once per run: the batches still train, they just vary in size
+                self.log.warning("workers of different env counts: batches of batch_segments segments vary "
+                                 "in size; set learner.batch_columns for batches of one size",
+                                 columns=list(reply["columns"]), batch_segments=B)
             # data-parallel ranks update in step: each has a batch now; none goes on once one stops
             if self.sync.any(self.stop.is_set()):
                 voted = True
