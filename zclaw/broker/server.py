@@ -547,8 +547,10 @@ class Broker:
                             f"batch_size segments)")
         if msg["version"] < 0:
             raise WireError("bad_value", f"version = {msg['version']} must be >= 0")
-        # sized in columns, the batch's segment count is known once drawn: one must be allowed to start
-        reason = self.limiter.can_sample(1 if columns else n)
+        # what the learner needs to move (accepting() weighs it): sized in columns, the batch's segment
+        # count is known once drawn, so one segment until then
+        self.last_batch_size = 1 if columns else n
+        reason = self.limiter.can_sample(self.last_batch_size)
         if reason is not None:
             return self._retry(reason)
         if self.store is None or self.spec is None:
