@@ -203,8 +203,14 @@ SCHEMA: Dict[str, Dict[str, Key]] = {
         "reward_scale": Key("return", "how the learner scales rewards inside the loss (workers send them "
                             "raw): "
                             "divide by the running std of the discounted return, as SB3's VecNormalize "
-                            "(return), or not at all (off)", choices=("return", "off")),
-        "reward_clip": Key(10.0, "clip scaled rewards to +-reward_clip (reward_scale = return)", min=0.01),
+                            "(return), not at all (off), or keep rewards raw and normalise the critic's "
+                            "values instead, its output layer rescaled on every statistics update "
+                            "(popart; docs/learning.md)", choices=("return", "off", "popart")),
+        "reward_clip": Key(10.0, "clip scaled rewards to +-reward_clip (reward_scale = return; popart does "
+                           "not clip)", min=0.01),
+        "popart_beta": Key(3e-4, "reward_scale = popart: step of the debiased moving averages of the value "
+                           "targets' mean and second moment, per update (Hessel et al. 2019: 3e-4)",
+                           min=1e-9, max=1.0),
         "max_grad_norm": Key(0.5, "gradient norm clip", min=0),
         "target_kl": Key(0.05, "stop a batch's epochs once a minibatch's KL from the behaviour policy "
                          "exceeds 1.5 x this (0: off)", min=0),

@@ -1,11 +1,12 @@
 """Data-parallel learner ranks (zclaw/learner/distributed.py), as real gloo processes on this CPU.
 
 The central claim: N ranks, each updating on its own part of a batch, end exactly where one learner updating
-on the whole batch ends (parameters, the observation normaliser, the reward scale, the priorities), so adding
-ranks changes how fast a run learns, never what one update does. The reference is a plain single-process
-:class:`Trainer`, which runs none of the distributed code; the parts are uneven (3 and 5 env columns), carry
-different importance weights, and each alone moves the parameters elsewhere (checked), so the equality is
-the gradient weighting, the merged statistics and the shared advantage normalisation doing their work.
+on the whole batch ends (parameters, the observation normaliser, the reward scale or PopArt's statistics, the
+priorities), so adding ranks changes how fast a run learns, never what one update does. The reference is a
+plain single-process :class:`Trainer`, which runs none of the distributed code; the parts are uneven (3 and 5
+env columns), carry different importance weights, and each alone moves the parameters elsewhere (checked), so
+the equality is the gradient weighting, the merged statistics and the shared advantage normalisation doing
+their work.
 """
 from __future__ import annotations
 
@@ -51,6 +52,7 @@ def outcome(trainer: Trainer, metrics: List[Dict[str, Any]]) -> Dict[str, Any]:
     return {
         "state": {k: v.detach().clone() for k, v in trainer.model.state_dict().items()},
         "scaler": trainer.reward_scaler.state_dict() if trainer.reward_scaler is not None else None,
+        "popart": trainer.popart.state_dict() if trainer.popart is not None else None,
         "sgd_steps": [m["sgd_steps"] for m in metrics],
         "kl_stopped": [m["kl_stopped"] for m in metrics],
         "priorities": [m["priorities"] for m in metrics],
@@ -79,6 +81,8 @@ CASES = {
     "epochs": dict(epochs=3, minibatches=1, target_kl=0.0),
     # the KL stop fires after the first step, decided on the KL over both ranks
     "kl_stop": dict(epochs=3, minibatches=1, target_kl=1e-6),
+    # PopArt: the value targets' moments merged over the ranks, the critic's last layer rescaled alike
+    "popart": dict(epochs=3, minibatches=1, target_kl=0.0, reward_scale="popart"),
 }
 
 
@@ -90,10 +94,17 @@ def test_two_ranks_on_the_parts_of_a_batch_end_where_one_learner_on_the_whole_en
         for r, out in enumerate(ranks):
             for k, v in ref["state"].items():  # parameters and the normaliser's mean, var and count
                 assert torch.allclose(out["state"][k].double(), v.double(), rtol=0, atol=1e-6), (name, r, k)
-            for k in ("mean", "var", "count"):
-                assert out["scaler"][k] == pytest.approx(ref["scaler"][k], rel=1e-9, abs=1e-12), (name, r, k)
+            # whichever statistics the case keeps: the reward scale's come from the rewards themselves (to
+            # 1e-9), PopArt's from float32 targets that a batch of another shape rounds apart (to 1e-6)
+            for kind, rel in (("scaler", 1e-9), ("popart", 1e-6)):
+                assert (out[kind] is None) == (ref[kind] is None), (name, kind)
+                for k, v in (ref[kind] or {}).items():
+                    assert out[kind][k] == pytest.approx(v, rel=rel, abs=1e-12), (name, r, kind, k)
             assert out["sgd_steps"] == ref["sgd_steps"] and out["kl_stopped"] == ref["kl_stopped"], name
             assert out["steps_all"] == [T * sum(COLUMNS)] * len(SEEDS)
+        # every rank holds the same statistics and the same (rescaled) critic, bit for bit
+        assert ranks[0]["popart"] == ranks[1]["popart"], name
+        assert all(torch.equal(v, ranks[1]["state"][k]) for k, v in ranks[0]["state"].items()), name
         # each rank's priorities are the whole batch's for its segments
         for i in range(len(SEEDS)):
             joined = ranks[0]["priorities"][i] + ranks[1]["priorities"][i]
@@ -151,6 +162,8 @@ def test_alone_sync_calls_no_collective_and_returns_what_it_is_given() -> None:
     m = Moments(3.0, torch.ones(2), torch.ones(2))
     share = sync.batch(m, None, 12)
     assert share.obs is m and share.returns is None and share.samples == (12,)
+    targets = Moments(4.0, 1.0, 2.0)
+    assert sync.merge(targets) is targets
     assert sync.normalizers([[(torch.ones(3), None)]] * 2) == [None, None]
     assert sync.gradients([], 5, False, 0.1, 0.2) == (False, 0.1, 0.2)
     assert sync.any(True) is True and sync.share(b"x") == b"x"

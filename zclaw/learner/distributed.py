@@ -12,7 +12,9 @@ in flight); what the ranks agree on makes them one learner on the union of their
   rank starts from rank 0's state (:meth:`Sync.share`), so every rank holds identical parameters;
 * **the running statistics**: the observation normaliser's (count, mean, variance) and the reward scale's are
   merged across ranks (each rank's batch moments, Chan et al.'s parallel formula, in rank order, one
-  all-gather: :meth:`Sync.batch`) before they are folded in, so every rank normalises alike;
+  all-gather: :meth:`Sync.batch`) before they are folded in, so every rank normalises alike; PopArt's value
+  target moments likewise, once the targets exist (:meth:`Sync.merge`), so every rank moves the same
+  statistics and rescales its critic layer alike;
 * **each minibatch's advantage normalisation** uses every rank's minibatch together (one all-reduce per
   epoch for all its minibatches: :meth:`Sync.normalizers`);
 * **every decision that changes how many collectives come next**: the minibatch count (the fewest samples any
@@ -182,8 +184,8 @@ class Sync:
     Alone (``world.size == 1``) every method returns what it is given and calls no torch.distributed
     function. With ranks each method is one collective that every rank calls in the same order; a failed
     collective raises :class:`GroupBroken`. ``seconds`` and ``calls`` count the wall time and the calls of the
-    collectives by kind (``batch``, ``normalizers``, ``gradients``, ``any``, ``share``): the all-reduce's
-    share of an update (bench/learner_ranks.py, the status report).
+    collectives by kind (``batch``, ``targets``, ``normalizers``, ``gradients``, ``any``, ``share``): the
+    all-reduce's share of an update (bench/learner_ranks.py, the status report).
     """
 
     def __init__(self, world: World = ALONE, device: Any = "cpu") -> None:
@@ -236,6 +238,23 @@ class Sync:
             sizes.append(int(v[4 + 2 * d]))
         assert merged_obs is not None
         return BatchShare(merged_obs, merged_ret if returns is not None else None, tuple(sizes))
+
+    def merge(self, moments: Moments, kind: str = "targets") -> Moments:
+        """Every rank's (count, mean, var) of one statistic merged (Chan, in rank order: the same result on
+        every rank), from one all-gather: with ``reward_scale = "popart"``, the value targets' moments, which
+        exist only once the targets are computed, after :meth:`batch`. Alone: ``moments`` itself."""
+        if not self.parallel:
+            return moments
+        local = torch.tensor([float(moments.count), float(moments.mean), float(moments.var)],
+                             dtype=torch.float64, device=self.device)
+        parts = [torch.empty_like(local) for _ in range(self.world.size)]
+        self._run(kind, lambda: dist.all_gather(parts, local))
+        merged: Optional[Moments] = None
+        for v in parts:
+            m = Moments(*(float(x) for x in v.cpu()))
+            merged = m if merged is None else merged.merge(m)
+        assert merged is not None
+        return merged
 
     # -- advantage normalisation (Trainer.update, once per epoch) ------------------------------------------
     def normalizers(

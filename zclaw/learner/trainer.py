@@ -17,7 +17,11 @@ env's T steps each; workers may differ in N). :meth:`Trainer.update`:
 3. computes once, without gradient, the critic's values ``Q(x_t, o_t)``, the importance ratios of both
    levels (``log rho = log pi_o(a|s) - log mu_o(a|s) + log pi_hat(o|s, o_prev) - log mu_hat``), the
    V-trace targets (:func:`zclaw.policy.losses.vtrace`) and the advantages of each level, with episode
-   boundaries cut and time-limit truncations bootstrapped from the value of ``final_obs``;
+   boundaries cut and time-limit truncations bootstrapped from the value of ``final_obs``; with
+   ``reward_scale = "popart"`` the critic's output is normalised (Q = sigma f + mu, rewards raw), and once
+   the targets are computed their statistics move and the critic's last layer is rescaled so that its
+   values stay as they were (:class:`~zclaw.policy.popart.PopArt`); the value loss then trains f against
+   ``(v_s - mu) / sigma`` with the new statistics;
 4. runs ``epochs`` passes of ``minibatches`` random minibatches of::
 
        loss = L^L (PPO-clip, intra-option)  +  vf_coef L^V  -  ent_coef H(pi_o)
@@ -41,7 +45,7 @@ Metric names (TensorBoard ``learner/<name>``; stable, other tools read them): ``
 ``loss/value``, ``loss/entropy``, ``loss/master``, ``loss/termination``, ``loss/master_entropy``,
 ``loss/student``, ``loss/total``, ``approx_kl``, ``clip_frac``, ``rho_mean``, ``rho_clipped_frac``,
 ``rho_option_mean``, ``lag_mean``, ``lag_max``, ``lag/option/<o>``, ``explained_variance``,
-``reward_scale``, ``norm_left_out``, ...
+``reward_scale``, ``popart_mu``, ``popart_sigma``, ``norm_left_out``, ...
 """
 from __future__ import annotations
 
@@ -56,6 +60,7 @@ from ..policy import losses
 from ..policy.health import OptionHealth
 from ..policy.networks import OptionPolicy
 from ..policy.normalizer import RewardScaler
+from ..policy.popart import PopArt
 from ..wire import Message
 from .distributed import Sync
 
@@ -83,6 +88,7 @@ class TrainConfig:
     target_kl: float
     reward_scale: str
     reward_clip: float
+    popart_beta: float
     mode: str
     master_coef: float
     master_ent_coef: float
@@ -125,14 +131,14 @@ class PreparedBatch(NamedTuple):
     logp_mu: torch.Tensor  # [T, C] log mu_o(a_t|x_t): the behaviour log-prob of the action
     logp_mu_option: torch.Tensor  # [T, C] log mu_hat(o_t|x_t, o_{t-1}): behaviour log-prob of the choice
     weight: torch.Tensor  # [T, C] the segment's importance weight (prioritized replay; 1 otherwise)
-    values: torch.Tensor  # [T, C] Q(x_t, o_t) (K = 1: V(x_t))
+    values: torch.Tensor  # [T, C] Q(x_t, o_t) (K = 1: V(x_t)), in reward units (popart: sigma f + mu)
     bootstrap: torch.Tensor  # [C] U(x_T, o_{T-1}), the value the last step bootstraps from
     final_values: torch.Tensor  # [T, C] U(final_obs, o_t) where a time limit cut the episode, else 0
-    rewards: torch.Tensor  # [T, C] scaled rewards, time-limit bootstrap folded in (episode_boundaries)
+    rewards: torch.Tensor  # [T, C] scaled rewards (popart: raw), time-limit bootstrap folded in
     discounts: torch.Tensor  # [T, C] gamma_t: 0 where an episode ended at t
     log_rhos: torch.Tensor  # [T, C] log pi/mu of the step, both levels
     log_rho_option: torch.Tensor  # [T, C] log pi_hat/mu_hat of the option choice (0 for K = 1)
-    vs: torch.Tensor  # [T, C] V-trace targets of the critic
+    vs: torch.Tensor  # [T, C] V-trace targets of the critic, in the units of the rewards (never PopArt's)
     q_ret: torch.Tensor  # [T, C] q_t = r_t + gamma_t (lam v_{t+1} + (1 - lam) V(x_{t+1}))
     adv: torch.Tensor  # [T, C] intra-option advantage rho^a (q_t - Q(x_t, o_t))
     adv_high: torch.Tensor  # [T, C] DAC: rho (q_t - V^H(x_t, o_{t-1})); zeros otherwise
@@ -158,10 +164,10 @@ class Samples(NamedTuple):
     logp_mu_option: torch.Tensor
     log_rho_option: torch.Tensor
     adv: torch.Tensor
-    vs: torch.Tensor
+    vs: torch.Tensor  # the value loss's target in the critic's own units (popart: (v_s - mu) / sigma)
     adv_high: torch.Tensor
     adv_master: torch.Tensor
-    q_prev: torch.Tensor
+    q_prev: torch.Tensor  # PPOC's termination input, with v: in units of sigma under popart
     v: torch.Tensor
     w: torch.Tensor  # importance weight of the sample's segment
     w_low: torch.Tensor  # w times the per-option weight of the intra-option terms (option_weights)
@@ -206,6 +212,10 @@ class Trainer:
                                    action_low=self.low, action_high=self.high)
         self.reward_scaler = (RewardScaler(c.gamma, clip=c.reward_clip) if c.reward_scale == "return"
                               else None)
+        #: reward_scale = "popart": the statistics of the value targets and the critic's output layer they
+        #: rescale (the critic is an MLP, its last module the Linear layer that outputs K values)
+        self.popart = (PopArt(self.model.critic[-1], beta=c.popart_beta) if c.reward_scale == "popart"
+                       else None)
         #: observation rows beyond this (or not finite) are left out of the normaliser's statistics
         self.obs_max_abs = float(obs_max_abs)
         self.skipped_steps = 0  # optimiser steps skipped because the loss or gradient was not finite
@@ -213,14 +223,19 @@ class Trainer:
 
     def state_dict(self) -> Dict[str, Any]:
         """What a checkpoint keeps of the trainer beside the model and the optimiser."""
-        return {"reward_scaler": self.reward_scaler.state_dict() if self.reward_scaler else None}
+        return {"reward_scaler": self.reward_scaler.state_dict() if self.reward_scaler else None,
+                "popart": self.popart.state_dict() if self.popart else None}
 
     def load_state_dict(self, state: Optional[Mapping[str, Any]]) -> None:
         """Restore :meth:`state_dict` (None or a missing entry, from an older checkpoint: fresh
-        statistics)."""
+        statistics). Load the model first: PopArt's statistics are the units of the critic's saved last
+        layer, and restoring them leaves the layer as it is."""
         scaler = (state or {}).get("reward_scaler")
         if self.reward_scaler is not None and scaler:
             self.reward_scaler.load_state_dict(scaler)
+        popart = (state or {}).get("popart")
+        if self.popart is not None and popart:
+            self.popart.load_state_dict(popart)
 
     def student_parameters(self) -> list:
         return list(self.model.student.parameters()) + [self.model.student_log_std]
@@ -246,9 +261,15 @@ class Trainer:
         known[0] = ~option_start[0]
         return prev, ep_start, known
 
-    def _values(self, x: torch.Tensor, option: torch.Tensor) -> torch.Tensor:
-        """The critic's value of the option in effect: Q(s, o) (for K = 1, option 0's Q, i.e. V(s))."""
+    def _q(self, x: torch.Tensor) -> torch.Tensor:
+        """Q(s, .) in reward units: the critic's output, read as ``sigma f + mu`` under popart."""
         q = self.model.q(x)
+        return self.popart.unnormalize(q) if self.popart is not None else q
+
+    def _values(self, x: torch.Tensor, option: torch.Tensor, own_units: bool = False) -> torch.Tensor:
+        """The critic's value of the option in effect: Q(s, o) (for K = 1, option 0's Q, i.e. V(s)), in reward
+        units; ``own_units``: the critic's output itself, as the value loss trains it (popart: normalised)."""
+        q = self.model.q(x) if own_units else self._q(x)
         return q.gather(-1, option.unsqueeze(-1)).squeeze(-1)
 
     def _arrival_values(self, x: torch.Tensor, prev: torch.Tensor, ep_start: torch.Tensor) -> torch.Tensor:
@@ -257,7 +278,7 @@ class Trainer:
         if self.model.K == 1:
             return self._values(x, prev)
         pi_hat = self.model.call_and_return_logits(x, prev, ep_start).exp()
-        return losses.option_value(self.model.q(x), pi_hat)
+        return losses.option_value(self._q(x), pi_hat)
 
     def _logp(
         self, x: torch.Tensor, option: torch.Tensor, action: torch.Tensor
@@ -280,7 +301,8 @@ class Trainer:
         (the fields of :class:`PreparedBatch`).
 
         ``update_norm`` folds the batch into the running statistics (observations, and the reward scale)
-        first; tests that compare against a hand computation turn it off.
+        first, and PopArt's value statistics once the targets are known; tests that compare against a hand
+        computation turn it off.
         """
         c = self.cfg
         a = batch.arrays
@@ -317,7 +339,7 @@ class Trainer:
         if K > 1 and c.deliberation_cost > 0:
             reward = reward - c.deliberation_cost * (option_start & known & ~ep_start).to(reward.dtype)
         # reward scale (RewardScaler, its statistics folded above): inside the loss only; what workers report
-        # stays raw
+        # stays raw (popart leaves rewards raw and normalises the critic's values instead)
         if self.reward_scaler is not None:
             reward = self.reward_scaler.scale(reward)
 
@@ -357,7 +379,7 @@ class Trainer:
         zeros = torch.zeros_like(values)
         adv_high = adv_master = q_prev = v = zeros
         if K > 1:
-            q_all = model.q(x[:T])
+            q_all = self._q(x[:T])
             rho_joint = losses.truncated_is(log_rhos, c.rho_bar)
             if c.mode == "dac":
                 pi_hat = model.call_and_return_logits(x[:T], prev, ep_start).exp()
@@ -366,16 +388,22 @@ class Trainer:
                 v = losses.option_value(q_all, model.master_probs(x[:T]))  # V(s), pi_Omega epsilon-soft
                 adv_master = rho_joint * (q_ret - v)
                 q_prev = q_all.gather(-1, prev.unsqueeze(-1)).squeeze(-1)  # Q(s', o_prev)
+        # PopArt, in this order: the targets above used the old statistics; now the statistics move (every
+        # rank's targets merged) and the critic's last layer is rescaled so that every value computed above
+        # is still what the critic says; samples() then gives the value loss (v_s - mu') / sigma'
+        if self.popart is not None and update_norm:
+            self.popart.fold(self.sync.merge(self.popart.measure(vs)))
+        # mean |adv| of each segment's T x N_b steps (popart: in units of sigma, as the other modes' are O(1))
+        scale = self.popart.sigma if self.popart is not None else 1.0
+        priorities = (torch.zeros(B, device=self.device).index_add_(0, segment, adv.abs().sum(0))
+                      / (T * scale * torch.as_tensor(columns, device=self.device, dtype=adv.dtype)))
         return PreparedBatch(
             x=x, action=action, option=option, prev_option=prev, ep_start=ep_start, known=known,
             option_start=option_start, logp_mu=logp_mu, logp_mu_option=logp_mu_option, weight=weight,
             values=values, bootstrap=bootstrap, final_values=final_values, rewards=rewards,
             discounts=discounts, log_rhos=log_rhos, log_rho_option=log_rho_option, vs=vs, q_ret=q_ret,
             adv=adv, adv_high=adv_high, adv_master=adv_master, q_prev=q_prev, v=v, lag=lag,
-            # mean |adv| of each segment's T x N_b steps
-            priorities=(torch.zeros(B, device=self.device).index_add_(0, segment, adv.abs().sum(0))
-                        / (T * torch.as_tensor(columns, device=self.device, dtype=adv.dtype))),
-            rank_samples=rank_samples,
+            priorities=priorities, rank_samples=rank_samples,
         )
 
     def _fold_statistics(self, raw: torch.Tensor, batch: Message, columns: List[int]) -> Tuple[int, ...]:
@@ -409,12 +437,19 @@ class Trainer:
         w_low = w
         if self.model.K > 1 and self.cfg.option_weights:
             w_low = w * losses.option_loss_weights(flat(p.option), self.model.K, self.cfg.option_max_weight)
+        vs, q_prev, v = p.vs, p.q_prev, p.v
+        if self.popart is not None:
+            # the value loss in the critic's units, with the statistics prepare() has just moved
+            vs = self.popart.normalize(vs)
+            if self.model.K > 1 and self.cfg.mode == "ppoc":
+                # the termination's input Q - V in units of sigma, as "return" has it in the return's std
+                q_prev, v = self.popart.normalize(q_prev), self.popart.normalize(v)
         return Samples(
             x=p.x[:T].reshape(S, self.model.cfg.obs_dim), action=flat(p.action), option=flat(p.option),
             prev_option=flat(p.prev_option), ep_start=flat(p.ep_start), known=flat(p.known),
             option_start=flat(p.option_start), logp_mu=flat(p.logp_mu), logp_mu_option=flat(p.logp_mu_option),
-            log_rho_option=flat(p.log_rho_option), adv=flat(p.adv), vs=flat(p.vs), adv_high=flat(p.adv_high),
-            adv_master=flat(p.adv_master), q_prev=flat(p.q_prev), v=flat(p.v), w=w, w_low=w_low,
+            log_rho_option=flat(p.log_rho_option), adv=flat(p.adv), vs=flat(vs), adv_high=flat(p.adv_high),
+            adv_master=flat(p.adv_master), q_prev=flat(q_prev), v=flat(v), w=w, w_low=w_low,
         )
 
     # -- the update -----------------------------------------------------------------------------------
@@ -514,7 +549,7 @@ class Trainer:
             ratio = log_ratio.exp()
             kl = float(((ratio - 1) - log_ratio).mean())  # k3 estimator, >= 0
             clip_frac = float(((ratio - 1).abs() > c.clip).float().mean())
-        v_new = self._values(mb.x, mb.option)
+        v_new = self._values(mb.x, mb.option, own_units=True)  # popart: normalised, as mb.vs is
         pg = losses.weighted_mean(losses.ppo_clip_loss(logp_new, mb.logp_mu, adv, c.clip), mb.w_low)
         vl = losses.weighted_mean(losses.value_loss(v_new, mb.vs), mb.w_low)
         ent = losses.weighted_mean(losses.entropy(log_std), mb.w_low)
@@ -595,6 +630,9 @@ class Trainer:
         )
         if self.reward_scaler is not None:
             m["reward_scale"] = self.reward_scaler.std  # rewards are divided by this inside the loss
+        if self.popart is not None:  # the critic's values are sigma f + mu
+            m["popart_mu"] = self.popart.mu
+            m["popart_sigma"] = self.popart.sigma
         if self.model.K > 1 and lag.size:
             # per-option lag: every step's lag [T, C], grouped by option
             step_lag = torch.as_tensor(lag, dtype=torch.float32)
