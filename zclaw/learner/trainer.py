@@ -49,6 +49,7 @@ Metric names (TensorBoard ``learner/<name>``; stable, other tools read them): ``
 """
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass, fields
 from typing import Any, Dict, List, Mapping, NamedTuple, Optional, Sequence, Tuple, Union
 
@@ -197,9 +198,12 @@ class Trainer:
         # one Adam, two parameter groups: the student's group has its own fixed learning rate and (as
         # Adam's state is per parameter) its own moments, so it is an optimiser of its own that a
         # checkpoint saves and restores together with the main one
+        # on a GPU the fused Adam: one kernel per step instead of several per parameter tensor (a learner's
+        # MLP step is launch-bound there: docs/benchmarks.md, "On one GPU")
         self.optimizer = torch.optim.Adam(
             [{"params": self.main_params, "lr": c.lr},
-             {"params": self.student_parameters(), "lr": c.student_lr}], eps=1e-5)
+             {"params": self.student_parameters(), "lr": c.student_lr}], eps=1e-5,
+            fused=True if self.device.type == "cuda" else None)
         self.params = [p for group in self.optimizer.param_groups for p in group["params"]]
         self.low = (torch.as_tensor(action_low, dtype=torch.float32, device=self.device)
                     if action_low is not None else None)
@@ -479,30 +483,34 @@ class Trainer:
             # each minibatch's advantage statistics over every rank's minibatch (alone: None, its own)
             norms = self.sync.normalizers([self._advantage_sets(mb) for mb in minibatches])
             for mb, norm in zip(minibatches, norms):
-                loss, terms, kl, clip_frac = self.loss(mb, norm)
+                loss, terms, kl_t, clip_t = self.loss(mb, norm)
                 self.optimizer.zero_grad(set_to_none=True)
                 loss.backward()
                 terms["loss/student"] = self._student_loss(mb)  # its gradient reaches the student only
-                finite = bool(torch.isfinite(loss)) and bool(torch.isfinite(terms["loss/student"]))
+                terms["loss/total"] = loss.detach()
+                # alone, the gradient is clipped before the read below, so that one read from the device
+                # serves every decision of the step (a GPU learner pays for each read with an idle pipeline);
+                # ranks clip the all-reduced gradient, after their own read. Clipping a gradient that the KL
+                # stop then drops changes nothing: it is zeroed before the next backward.
+                gn_t = None if self.sync.parallel else self._clip_gradients()
+                host = self._read(terms, kl_t, clip_t, gn_t)
+                finite = math.isfinite(host["loss/total"]) and math.isfinite(host["loss/student"])
                 # ranks: gradients, KL and clip fraction over every rank's minibatch; all finite?
-                finite, kl, clip_frac = self.sync.gradients(self.params, int(mb.adv.shape[0]), finite, kl,
-                                                            clip_frac)
+                finite, kl, clip_frac = self.sync.gradients(self.params, int(mb.adv.shape[0]), finite,
+                                                            host["approx_kl"], host["clip_frac"])
                 if kl_stop > 0 and count > 0 and kl > kl_stop:
                     stopped = True
                     break
-                gn = torch.nn.utils.clip_grad_norm_(self.main_params, c.max_grad_norm)
-                if not (finite and torch.isfinite(gn)):
+                gn = host["grad_norm"] if gn_t is not None else float(self._clip_gradients())
+                if not (finite and math.isfinite(gn)):
                     self.skipped_steps += 1  # one poisoned minibatch must not destroy the weights
                     self.optimizer.zero_grad(set_to_none=True)
                     continue
                 self.optimizer.step()
 
-                sums["approx_kl"] += kl
-                sums["clip_frac"] += clip_frac
-                for k, v in terms.items():
-                    sums[k] += float(v.detach()) if torch.is_tensor(v) else float(v)
-                sums["loss/total"] += float(loss.detach())
-                sums["grad_norm"] += float(gn)
+                host.update(approx_kl=kl, clip_frac=clip_frac, grad_norm=gn)
+                for k in sums:
+                    sums[k] += host.get(k, 0.0)  # K = 1 has no option terms
                 count += 1
 
         metrics: Dict[str, Any] = {k: (v / count if count else float("nan")) for k, v in sums.items()}
@@ -512,6 +520,22 @@ class Trainer:
         metrics["steps_all"] = float(sum(p.rank_samples))  # every rank's batch together (alone: steps)
         metrics["priorities"] = [float(v) for v in p.priorities.cpu()]
         return metrics
+
+    def _clip_gradients(self) -> torch.Tensor:
+        """Clip the main parameters' gradient to ``max_grad_norm``; its norm before clipping (on the
+        device: no read)."""
+        return torch.nn.utils.clip_grad_norm_(self.main_params, self.cfg.max_grad_norm)
+
+    @staticmethod
+    def _read(terms: Mapping[str, torch.Tensor], kl: torch.Tensor, clip_frac: torch.Tensor,
+              grad_norm: Optional[torch.Tensor]) -> Dict[str, float]:
+        """A minibatch's scalars, from the device in one read: the loss terms, ``approx_kl``, ``clip_frac``
+        and, when given, ``grad_norm``."""
+        names = list(terms) + ["approx_kl", "clip_frac"] + (["grad_norm"] if grad_norm is not None else [])
+        values = [terms[k].detach().reshape(()) for k in terms] + [kl, clip_frac]
+        if grad_norm is not None:
+            values.append(grad_norm.detach().to(kl.device))
+        return dict(zip(names, torch.stack([v.float() for v in values]).tolist()))
 
     def _advantage_sets(self, mb: Samples) -> List[Tuple[torch.Tensor, Optional[torch.Tensor]]]:
         """The advantages :meth:`loss` normalises per minibatch, each with the mask of the entries its
@@ -525,8 +549,9 @@ class Trainer:
 
     def loss(
         self, mb: Samples, norm: Optional[Sequence[Tuple[float, float, float]]] = None
-    ) -> Tuple[torch.Tensor, Dict[str, torch.Tensor], float, float]:
-        """One minibatch's loss, top to bottom as in the papers; returns (loss, its terms, KL, clip fraction).
+    ) -> Tuple[torch.Tensor, Dict[str, torch.Tensor], torch.Tensor, torch.Tensor]:
+        """One minibatch's loss, top to bottom as in the papers; returns (loss, its terms, KL, clip fraction),
+        every one a tensor on the device (:meth:`update` reads them all at once).
 
         PPO (Schulman et al. 2017, eq. 9) on the intra-option policy of the executing option, its ratio
         taken to the behaviour policy mu the worker acted with (asynchronous PPO)::
@@ -547,8 +572,8 @@ class Trainer:
         with torch.no_grad():  # distance from the behaviour policy: the KL stop and the metrics
             log_ratio = logp_new - mb.logp_mu
             ratio = log_ratio.exp()
-            kl = float(((ratio - 1) - log_ratio).mean())  # k3 estimator, >= 0
-            clip_frac = float(((ratio - 1).abs() > c.clip).float().mean())
+            kl = ((ratio - 1) - log_ratio).mean()  # k3 estimator, >= 0
+            clip_frac = ((ratio - 1).abs() > c.clip).float().mean()
         v_new = self._values(mb.x, mb.option, own_units=True)  # popart: normalised, as mb.vs is
         pg = losses.weighted_mean(losses.ppo_clip_loss(logp_new, mb.logp_mu, adv, c.clip), mb.w_low)
         vl = losses.weighted_mean(losses.value_loss(v_new, mb.vs), mb.w_low)
