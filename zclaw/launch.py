@@ -8,7 +8,8 @@ or SIGTERM stops the workers first, then the learner (final checkpoint), then th
 Supervision: a role process that exits while the run goes on is started again, up to ``run.restarts``
 times per role: the broker on its latest snapshot (``--run-dir`` without ``--fresh``), the learner with
 ``--resume`` from its latest checkpoint (plain, if it crashed before writing one), a worker as it was.
-A role refused by a server (exit 3: another env spec or protocol) is not restarted: that cannot help.
+A role refused by a server (exit 3: another env spec or protocol) or unable to start as configured (exit 2:
+its device, keys or checkpoint) is not restarted: that cannot help.
 
 Stopping is bounded: from Ctrl-C, SIGTERM, or the end of the run, every role has exited within
 ``run.stop_grace_s`` seconds whatever it does (a wedged or stopped process is SIGKILLed at the
@@ -42,6 +43,8 @@ ROLE_ORDER = ("broker", "learner", "worker")
 WORKER_STOP_SHARE, LEARNER_STOP_SHARE = 0.2, 0.5
 #: what summary.json's stop_reason may say
 STOP_REASONS = ("time", "steps", "interrupted", "role_failed")
+#: exit codes that a restart cannot mend, and what the failure line says instead of the restarts used
+NOT_RESTARTED = {EXIT_REFUSED: "refused by a server", EXIT_CANNOT_START: "cannot start as configured"}
 
 
 def free_port() -> int:
@@ -342,14 +345,15 @@ def train(
                 if stop.is_set() or c.alive():
                     continue
                 code = c.proc.returncode  # type: ignore[union-attr]
-                # refused (another spec or protocol): a restart cannot help
-                if code != EXIT_REFUSED and c.restarts < budget:
+                # refused (another spec or protocol) or unable to start as configured (its device, keys,
+                # checkpoint): the same start would fail the same way, so a restart cannot help
+                if code not in NOT_RESTARTED and c.restarts < budget:
                     c.restarts += 1
                     echo(f"warning: {c.name} exited with {code}; restarting it "
                          f"({c.restarts} of {budget})\n{c.log_tail(5)}")
                     c.start(restart=True)
                 else:
-                    why = "refused by a server" if code == EXIT_REFUSED else f"{c.restarts} restarts used"
+                    why = NOT_RESTARTED.get(code, f"{c.restarts} restarts used")
                     failure = (f"{c.name} exited with code {code} ({why}); last lines of {c.log_path}:\n"
                                + c.log_tail())
                     reason, detail = "role_failed", f"{c.name} exited with code {code}"

@@ -241,7 +241,7 @@ def test_the_model_and_its_weights_message_carry_nothing_of_popart() -> None:
 # ------------------------------------------------------------------------------------------------ config
 def test_config_accepts_popart_and_refuses_other_kinds_naming_the_key_and_the_choices() -> None:
     assert config.load(None, ["learner.reward_scale=popart"])["learner"]["reward_scale"] == "popart"
-    assert config.defaults()["learner"]["reward_scale"] == "return"  # the ablation's choice (docs/learning.md)
+    assert config.defaults()["learner"]["reward_scale"] == "return"  # the ablation chose it (docs/learning)
     with pytest.raises(config.ConfigError) as info:
         config.load(None, ["learner.reward_scale=bad"])
     text = str(info.value)

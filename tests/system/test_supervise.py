@@ -111,3 +111,19 @@ def test_train_restarts_a_killed_learner_and_broker_and_the_run_ends_well(start_
     assert summary["restarts"]["broker"] == 1 and summary["version"] > resumed["version"], summary
     assert b["inserted_segments"] > 0
     assert nothing_left(t.run_dir)
+
+
+def test_a_role_that_cannot_start_as_configured_is_not_restarted(start_train) -> None:
+    """Exit 2 (here: a worker given a CUDA device this host lacks) is a configuration that the same start
+    would fail again: the run ends at once, naming the role and why, with no restart spent."""
+    t = start_train("--time", "120", "--set", "worker.gpu=99")
+    try:
+        code = t.proc.wait(90)
+    except subprocess.TimeoutExpired:
+        raise AssertionError(f"train still runs with a worker that cannot start\n{t.output()}")
+    assert code == 1, t.output()
+    assert "worker0 exited with code 2 (cannot start as configured)" in t.output()
+    assert "no such CUDA device" in t.output()  # the worker's own reason, from its log's last lines
+    assert "restarting" not in t.output()
+    summary = json.loads((t.run_dir / "summary.json").read_text())
+    assert summary["stop_reason"] == "role_failed" and not summary["restarts"].get("worker0"), summary
