@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # The GPU checks, as one script for a lent GPU machine (no network there: the Python packages it lacks travel
 # as wheels in .whl/, see docs/benchmarks.md "On one GPU"). Run from the repository root; figures go to stdout
-# and, with their JSON, to $OUT (default ./gpu-out). Not a test: it prints what it measures.
+# and, with their JSON, to $OUT (default /tmp/gpu-out). Not a test: it prints what it measures.
 #
 #   1. the learner's update alone (bench/learner_ranks.py --ranks 1) on cuda against the same host's CPU;
 #   2. `zclaw train` end to end with the learner on cuda and the workers' inference on cuda, and the same run
@@ -9,9 +9,11 @@
 #      GPU utilisation and memory through NVML);
 #   3. two NCCL ranks asked for on a host with one GPU: the clear refusal (one GPU per rank).
 set -u
-OUT="${OUT:-$PWD/gpu-out}"
+OUT="${OUT:-/tmp/gpu-out}"
 mkdir -p "$OUT"
-export PYTHONUNBUFFERED=1 MUJOCO_GL=egl
+# no rendering here: the GPU image has no EGL loader (libEGL) unless it is carried in, and with
+# MUJOCO_GL=egl `import mujoco` itself fails there
+export PYTHONUNBUFFERED=1 MUJOCO_GL="${MUJOCO_GL:-disable}"
 WHL="${GPU_CHECK_WHEELS:-.whl}"
 if [ -d "$WHL" ]; then
   python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site \

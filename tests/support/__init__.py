@@ -11,7 +11,8 @@ checks it) and a wait, a launch or a log check means the same in every test.
   ROUTER) and the env spec and segments they send;
 * :mod:`support.batches`: the learner's synthetic ``batch`` messages;
 * :mod:`support.synthetic`: random segments in the wire layout, used by the wire, store and broker
-  tests and by :mod:`support.peers`.
+  tests and by :mod:`support.peers`;
+* :mod:`support.shell`: the shell scripts the project ships, parsed by bash and linted by shellcheck.
 
 Fixtures over these (``roles``, ``start_broker``) are in tests/conftest.py.
 """

@@ -40,6 +40,7 @@ exercised by the tests (no GPU there); the NCCL path uses the same calls on CUDA
 from __future__ import annotations
 
 import datetime
+import functools
 import os
 import time
 from collections import Counter
@@ -249,12 +250,7 @@ class Sync:
                              dtype=torch.float64, device=self.device)
         parts = [torch.empty_like(local) for _ in range(self.world.size)]
         self._run(kind, lambda: dist.all_gather(parts, local))
-        merged: Optional[Moments] = None
-        for v in parts:
-            m = Moments(*(float(x) for x in v.cpu()))
-            merged = m if merged is None else merged.merge(m)
-        assert merged is not None
-        return merged
+        return functools.reduce(Moments.merge, (Moments(*(float(x) for x in v.cpu())) for v in parts))
 
     # -- advantage normalisation (Trainer.update, once per epoch) ------------------------------------------
     def normalizers(
