@@ -29,6 +29,11 @@ their batches in env columns (``--columns``, ``learner.batch_columns``, default 
 mixed run's batch of 4 segments would hold 4 x 8 to 4 x 64 columns and its learner would make more, smaller
 updates than the same-shape run's (``--columns 0`` shows that; compare ``updates``).
 
+With ``--keep DIR`` the run directories stay, each with ``batches.jsonl``: every batch's store keys,
+workers and columns, in the order served (keys are the broker's insertion order; a gap is a segment
+evicted or dropped stale). ``--set broker.eviction=oldest`` runs both with a plain ring instead of the
+default fair eviction, the comparison in docs/benchmarks.md.
+
     python bench/mixed.py [--seconds 120] [--seeds 1] [--shapes 8,16,64] [--same-envs N] [--columns 64]
                           [--keep DIR]
 """
@@ -70,6 +75,8 @@ class Tap(threading.Thread):
         self.port = self.front.bind_to_random_port("tcp://127.0.0.1")
         self.trained: Counter = Counter()  # worker identity -> env steps given to the learner
         self.batches = 0
+        #: every batch's (keys, workers, columns), in the order served: the store's order, kept with --keep
+        self.trace: List[Dict[str, Any]] = []
         self.errors = 0
         self.lock = threading.Lock()
         self.stop_event = threading.Event()
@@ -109,6 +116,8 @@ class Tap(threading.Thread):
             T = int(msg.arrays["reward"].shape[0])
             with self.lock:
                 self.batches += 1
+                self.trace.append({"keys": list(msg["keys"]), "workers": list(msg["workers"]),
+                                   "columns": list(msg["columns"])})
                 for worker, cols in zip(msg["workers"], msg["columns"]):
                     self.trained[str(worker)] += int(cols) * T
         except Exception:  # counting must never stop the relay
@@ -197,6 +206,9 @@ def one_run(label: str, shapes: List[int], seed: int, a: argparse.Namespace, roo
         ctx.destroy(linger=0)
         for f in files:
             f.close()
+    if a.keep:
+        with open(run_dir / "batches.jsonl", "w") as f:
+            f.writelines(json.dumps(b) + "\n" for b in tap.trace)
     starting = []  # SIGTERM's default action: the role was still importing (a short run on a busy host)
     for name, rc in codes.items():
         if rc == -signal.SIGTERM and name not in failed:

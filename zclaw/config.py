@@ -141,7 +141,8 @@ SCHEMA: Dict[str, Dict[str, Key]] = {
                               "task rewards are O(1)-O(1e3) per step", min=1),
     },
     "broker": {
-        "capacity": Key(64, "segments the store holds (a ring; each segment of its worker's T x N)", min=1),
+        "capacity": Key(64, "segments the store holds (each of its worker's T x N; broker.eviction picks "
+                        "which one a full store overwrites)", min=1),
         "mode": Key("queue", "sampling mode", choices=("queue", "uniform", "prioritized")),
         "min_size": Key(1, "segments stored before the first batch is served", min=1),
         "max_reuse": Key(1, "times a segment may be sampled (0: unlimited; queue needs >= 1)", min=0),
@@ -153,6 +154,14 @@ SCHEMA: Dict[str, Dict[str, Key]] = {
             "keeps reading while the rate limiter would refuse the learner, so the two never "
             "wait for each other)",
             choices=("evict", "wait"),
+        ),
+        "eviction": Key(
+            "fair", "which segment a full store overwrites (when_full = evict): fair, the oldest of the "
+            "worker whose data was evicted unused the least in proportion to what it sent, so every "
+            "worker's data reaches the learner in proportion to what it sent whatever its env count; or "
+            "oldest, the oldest stored (a plain ring: with workers of unlike env counts and column-sized "
+            "batches it evicts the narrow workers' data first)",
+            choices=("fair", "oldest"),
         ),
         "samples_per_insert": Key(0.0, "rate limit: segments sampled per segment inserted (0: off)", min=0),
         "spi_error_buffer": Key(8.0, "rate limit slack, in segments, around samples_per_insert", min=0),

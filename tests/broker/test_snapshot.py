@@ -66,9 +66,34 @@ def test_restore_refuses_another_spec_capacity_or_mode_and_changes_nothing(tmp_p
     other = dict(meta, spec=dict(meta["spec"], env_id="test:Other-v0"))
     with pytest.raises(ValueError, match="spec"):
         Store(SPEC, 8, mode="uniform").restore(arrays, other)
-    bad = dict(arrays, key=arrays["key"] + 1)  # keys that do not live in their slots
-    with pytest.raises(ValueError, match="slots"):
-        Store(SPEC, 8, mode="uniform").restore(bad, meta)
+    for keys in (np.full_like(arrays["key"], arrays["key"][0]), arrays["key"] + meta["next_key"]):
+        bad = dict(arrays, key=keys)  # repeated keys; keys the store never handed out
+        with pytest.raises(ValueError, match="keys"):
+            Store(SPEC, 8, mode="uniform").restore(bad, meta)
+
+
+def test_restore_keeps_each_workers_eviction_counts_and_reads_format_2(tmp_path: Path) -> None:
+    """Fair eviction's per-worker counts survive a snapshot, so the restored store evicts as the original
+    would; a format 2 snapshot (no counts) restores with the stored segments counted as sent."""
+    st = filled_store("queue", inserts=20)
+    arrays, meta = st.state()
+    # 12 of the 20 were evicted before any was sampled
+    assert sum(lost for _, lost in meta["worker_columns"].values()) > 0
+    back = Store(SPEC, 8, mode="queue", max_reuse=2)
+    back.restore(arrays, meta)
+    assert back.state()[1]["worker_columns"] == meta["worker_columns"]
+    rng = np.random.default_rng(5)
+    for i in range(20, 30):  # further inserts from one worker: both stores pick the same victims
+        for store in (st, back):
+            seg = Segment("w0", i, SPEC.hash, random_segment(SPEC, T, N, rng, version=i), [])
+            store.insert(parse(seg.frames()))
+        assert back.keys() == st.keys()
+    old = {k: v for k, v in meta.items() if k != "worker_columns"}
+    two = Store(SPEC, 8, mode="queue", max_reuse=2)
+    assert two.restore(arrays, old) == 8
+    counted = two.state()[1]["worker_columns"]
+    assert sum(sent for sent, _ in counted.values()) == 8 * N
+    assert all(lost == 0 for _, lost in counted.values())
 
 
 def test_snapshot_file_is_atomic_and_crash_leftovers_are_cleared(tmp_path: Path) -> None:

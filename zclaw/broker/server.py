@@ -367,7 +367,8 @@ class Broker:
             alpha=b["priority_alpha"],
             beta=b["priority_beta"],
             seed=self.cfg["run"]["seed"],
-            option_balanced=bool(b.get("option_balanced", False)),
+            option_balanced=bool(b["option_balanced"]),
+            eviction=b["eviction"],
             # the bounds workers end episodes at, checked again: a worker may be old or foreign
             max_abs_obs=float(self.cfg["worker"]["max_abs_obs"]),
             max_abs_reward=float(self.cfg["worker"]["max_abs_reward"]),

@@ -42,8 +42,11 @@ import numpy.lib.format as npy_format
 
 from ..fileio import atomic_write, remove_stale_tmp
 
-#: 2: segments of any env count (protocol v2): data rows flat, with each segment's ``columns``
-FORMAT = 2
+#: 2: segments of any env count (protocol v2): data rows flat, with each segment's ``columns``;
+#: 3: keys in any slot, and each worker's sent and evicted columns (``worker_columns``, fair eviction)
+FORMAT = 3
+#: formats this broker reads (a format 2 snapshot restores with each worker's counts from its stored data)
+READS = (2, 3)
 #: niceness added to the snapshot child (the broker's own loop keeps priority)
 CHILD_NICE = 10
 #: how a periodic snapshot is written: from a thread (default), a forked child, or in the loop itself
@@ -119,10 +122,10 @@ def load(path: Path) -> Optional[State]:
         meta = json.loads(arrays.pop(META).tobytes().decode())
     except (OSError, ValueError, KeyError) as exc:
         raise SnapshotError(f"cannot read snapshot {path}: {exc}") from None
-    if not isinstance(meta, dict) or meta.get("format") != FORMAT:
+    if not isinstance(meta, dict) or meta.get("format") not in READS:
         found = meta.get("format") if isinstance(meta, dict) else "?"
-        raise SnapshotError(f"snapshot {path} is format {found}, this broker reads format {FORMAT}: move it "
-                            "away to start with an empty store")
+        raise SnapshotError(f"snapshot {path} is format {found}, this broker reads formats "
+                            f"{', '.join(map(str, READS))}: move it away to start with an empty store")
     return arrays, meta
 
 

@@ -1,4 +1,4 @@
-"""The broker's store: a ring of ``capacity`` segment slots and the three ways to sample it.
+"""The broker's store: ``capacity`` segment slots, which one a full store overwrites, three ways to sample.
 
 Layout: one :class:`~zclaw.broker.slots.SlotRing` per field of :data:`zclaw.wire.messages.SEGMENT_ARRAYS`,
 indexed like a ``[capacity, T+1, N_slot, ...]`` array. T, the segment length, is one per run: fixed by
@@ -10,11 +10,12 @@ is sent from those buffers), and memory is bounded by ``capacity`` segments of t
 sparse truncation data (``final_obs``/``final_at``, a few rows per segment) is kept per slot as small
 copies.
 
-Keys: every insert gets the next integer key (0, 1, 2, ...); it lives in slot ``key % capacity``. A
-key is never reused, so a priority update that names a key that was evicted or used up is simply
-ignored instead of landing on whatever segment took the slot. When the slot of the next key is still
-taken, it holds ``key - capacity``, the oldest segment stored, which the insert overwrites (counted
-as drop cause ``"evicted_unused"`` if it was never sampled: data the workers paid for and nobody used).
+Keys: every insert gets the next integer key (0, 1, 2, ...) and a free slot (the store maps keys to
+slots). A key is never reused, so a priority update that names a key that was evicted or used up is
+simply ignored instead of landing on whatever segment took the slot. When no slot is free, the insert
+overwrites the segment :mod:`zclaw.broker.eviction` picks (``broker.eviction``: ``fair``, the oldest
+of the worker that lost the least of what it sent, or ``oldest``), counted as drop cause
+``"evicted_unused"`` if it was never sampled: data the workers paid for and nobody used.
 
 Modes (which ``n`` segments :meth:`Store.sample` returns):
 
@@ -47,6 +48,7 @@ import numpy as np
 from ..wire.messages import ENV_ARRAYS, ENV_AXIS, SEGMENT_ARRAYS, EnvSpec, segment_dims
 from ..wire.protocol import PART_MIN_BYTES, Message, Parts, WireError
 from .balance import OptionBalancer
+from .eviction import Eviction
 from .slots import SlotRing, stack_parts
 from .sumtree import SumTree
 
@@ -132,7 +134,7 @@ class SampledBatch:
 
 
 class Store:
-    """Ring of ``capacity`` segments of one env spec; see the module docstring for the rules."""
+    """``capacity`` segments of one env spec; see the module docstring for the rules."""
 
     def __init__(
         self,
@@ -147,6 +149,7 @@ class Store:
         option_balanced: bool = False,
         max_abs_obs: float = 0.0,
         max_abs_reward: float = 0.0,
+        eviction: str = "fair",
     ) -> None:
         if isinstance(capacity, bool) or not isinstance(capacity, int) or capacity < 1:
             raise ValueError(f"capacity = {capacity!r} must be an integer >= 1")
@@ -178,6 +181,10 @@ class Store:
         self._data: Dict[str, SlotRing] = {}
         C = capacity
         self._key = np.full(C, -1, dtype=np.int64)  # -1: empty slot
+        self._slot_by_key: Dict[int, int] = {}  # stored keys in increasing order (dict order) -> slot
+        self._free: List[int] = list(range(C - 1, -1, -1))  # free slots, the lowest popped first
+        #: which segment a full store overwrites (and each worker's sent and lost columns)
+        self._evict = Eviction(eviction)
         self._uses = np.zeros(C, dtype=np.int64)
         self._cols = np.zeros(C, dtype=np.int64)  # env count N of each stored segment
         self._min_version = np.zeros(C, dtype=np.int64)
@@ -220,8 +227,13 @@ class Store:
         The broker's ``when_full = "wait"`` stops reading new segments while this holds, so that
         no segment a worker paid for is thrown away unused (see ``zclaw.broker.server``).
         """
-        slot = self._next_key % self.capacity
-        return bool(self._key[slot] >= 0 and self._uses[slot] == 0)
+        if self._free:
+            return False
+        return bool(self._uses[self._slot_by_key[self._victim()]] == 0)
+
+    def _victim(self) -> int:
+        """The key the next insert overwrites (the store is full)."""
+        return self._evict.victim(next(iter(self._slot_by_key)), self._slot_by_key.__contains__)
 
     def keys(self) -> List[int]:
         """Keys of the stored segments, oldest first."""
@@ -229,10 +241,9 @@ class Store:
         return [int(x) for x in np.sort(k)]
 
     def _slot_of(self, key: int) -> Optional[int]:
-        if isinstance(key, bool) or not isinstance(key, (int, np.integer)) or key < 0:
+        if isinstance(key, bool) or not isinstance(key, (int, np.integer)):
             return None
-        slot = int(key) % self.capacity
-        return slot if int(self._key[slot]) == int(key) else None
+        return self._slot_by_key.get(int(key))
 
     def columns(self, key: int) -> int:
         """The env count N of the stored segment ``key`` (0 if it is not stored)."""
@@ -287,6 +298,7 @@ class Store:
             "inserted_steps": self.inserted_steps,
             "sampled": self.sampled, "batches": self.batches, "drops": dict(self.drops),
             "lag_hist": dict(self.lag_hist), "rng": self._rng.bit_generator.state,
+            "worker_columns": self._evict.state(),
         }
         return arrays, meta
 
@@ -312,8 +324,10 @@ class Store:
         counts = np.asarray(arrays["final_count"], dtype=np.int64)
         if len(counts) != n or not int(counts.sum()) == len(arrays["final_at"]) == len(arrays["final_obs"]):
             raise ValueError("snapshot truncation rows do not add up")
-        if n and ((np.asarray(arrays["key"]) % self.capacity) != slots).any():
-            raise ValueError("snapshot keys do not live in their slots")
+        keys = np.asarray(arrays["key"], dtype=np.int64)
+        if len(keys) != n or (n and ((keys < 0).any() or (keys >= int(meta["next_key"])).any()
+                                     or len(np.unique(keys)) != n)):
+            raise ValueError("snapshot keys are missing, out of range or repeated")
         cols = np.asarray(arrays["columns"], dtype=np.int64)
         if len(cols) != n or (cols < 1).any():
             raise ValueError("snapshot env counts are missing or out of range")
@@ -351,6 +365,17 @@ class Store:
                 prio = arrays.get("priority")
                 self._tree.update(s, float(prio[i]) if prio is not None else 1.0)
         self._fill = n
+        counts = meta.get("worker_columns")  # absent in format 2: the stored segments are all that is known
+        self._evict.restore(counts or {})
+        for i in np.argsort(keys, kind="stable"):
+            key, s = int(keys[i]), int(slots[i])
+            self._slot_by_key[key] = s
+            if counts is None:
+                self._evict.inserted(self._workers[s], key, int(cols[i]), self._slot_by_key.__contains__)
+            else:
+                self._evict.track(self._workers[s], key, self._slot_by_key.__contains__)
+        taken = set(int(s) for s in slots)
+        self._free = [s for s in range(self.capacity - 1, -1, -1) if s not in taken]
         self._next_key = int(meta["next_key"])
         self.max_priority = float(meta["max_priority"])
         for name in ("inserted", "inserted_steps", "sampled", "batches"):
@@ -380,6 +405,8 @@ class Store:
     def _remove(self, slot: int) -> None:
         for ring in self._data.values():
             ring.clear(slot)
+        del self._slot_by_key[int(self._key[slot])]
+        self._free.append(slot)
         self._key[slot] = -1
         self._uses[slot] = 0
         self._cols[slot] = 0
@@ -408,16 +435,20 @@ class Store:
         if self.T is None:
             self._allocate(T)
         key = self._next_key
-        slot = key % self.capacity
-        if self._key[slot] >= 0:  # the ring is full here: this slot holds the oldest segment
-            if self._uses[slot] == 0:
+        if not self._free:  # full: overwrite the segment the eviction policy picks
+            slot = self._slot_by_key[self._victim()]
+            unused = bool(self._uses[slot] == 0)
+            if unused:
                 self.drops["evicted_unused"] += 1
+            self._evict.evicted(self._workers[slot], int(self._cols[slot]), unused)
             self._remove(slot)
+        slot = self._free.pop()
         for name in SEGMENT_ARRAYS:
             self._data[name][slot] = msg.arrays[name]
         self._final_obs[slot] = np.array(msg.arrays["final_obs"], copy=True) if M else None
         self._final_at[slot] = np.array(msg.arrays["final_at"], copy=True) if M else None
         self._key[slot] = key
+        self._slot_by_key[key] = slot
         self._uses[slot] = 0
         self._cols[slot] = N
         pv = msg.arrays["policy_version"]
@@ -429,6 +460,7 @@ class Store:
             self._balance.insert(slot, msg.arrays["option"])
         if self._tree is not None:
             self._tree.update(slot, max(self.max_priority, MIN_PRIORITY) ** self.alpha)
+        self._evict.inserted(msg["worker"], key, N, self._slot_by_key.__contains__)
         self._next_key += 1
         self._fill += 1
         self.inserted += 1

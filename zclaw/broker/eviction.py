@@ -1,0 +1,107 @@
+"""Which segment a full store overwrites: the oldest one, or the oldest of the worker that lost least.
+
+A store that is full when a segment arrives must throw one away. Throwing the *oldest* away (a plain
+ring) is fair only when the workers' segments arrive in random order. Real workers send at steady
+periods, and batches sized in env columns end at whatever segment reaches the column count, which is
+more often a wide one (a 64-env segment reaches 64 columns alone). After such a batch the store's head
+is the narrow segments that came after it, while the next wide one is a period away, so the ring
+evicts narrow segments first: measured with workers of 8, 16 and 64 envs and a third of the data
+evicted, the 64-env worker sent 43 % of the env steps and the learner trained on 45-50 % of them
+(docs/benchmarks.md, "Mixed shapes"; a model of the ring with periodic arrivals gives the same, and
+none with Poisson ones).
+
+``fair`` (the default, ``broker.eviction``) evicts instead, like a router's longest-queue drop, from
+the worker whose data was evicted unused the least in proportion to what it sent: ``lost_w / sent_w``
+in env columns, smallest first; that worker's oldest stored segment goes, and ties (no eviction yet,
+or one worker) go to the oldest segment, as in the ring. Every worker then loses the same share of
+what it sent whatever its env count or timing, so what reaches the learner is in proportion to what
+each sent. ``oldest`` keeps the ring's rule.
+
+Bookkeeping is per worker identity: the keys of its stored segments in key order (consumed ones are
+dropped lazily, when found at the front) and its sent/lost column counts, kept after its segments are
+gone so that a worker pausing between segments keeps its history (at most ``MAX_WORKERS`` identities,
+the least recently seen without stored segments forgotten first). Choosing costs one pass over the
+workers that have segments stored, at most ``capacity`` of them.
+"""
+from __future__ import annotations
+
+from collections import OrderedDict, deque
+from typing import Callable, Deque, Dict, List, Optional, Tuple
+
+POLICIES = ("fair", "oldest")
+
+#: worker identities whose counts are kept (a worker restarts under a new identity: new pid)
+MAX_WORKERS = 4096
+
+
+class Eviction:
+    """Per-worker record of what a store holds and lost, and the victim of the next eviction."""
+
+    def __init__(self, policy: str = "fair") -> None:
+        if policy not in POLICIES:
+            raise ValueError(f"eviction = {policy!r} must be one of {', '.join(POLICIES)}")
+        self.policy = policy
+        #: worker -> [columns inserted, columns evicted unused], least recently seen first
+        self.columns: "OrderedDict[str, List[int]]" = OrderedDict()
+        #: worker -> keys of its segments in key order (some may be gone already: dropped when met)
+        self._keys: Dict[str, Deque[int]] = {}
+
+    def inserted(self, worker: str, key: int, columns: int, stored: Callable[[int], bool]) -> None:
+        """Count segment ``key`` of ``columns`` env columns from ``worker``, now stored."""
+        self.track(worker, key, stored)
+        self.columns[worker][0] += columns
+
+    def track(self, worker: str, key: int, stored: Callable[[int], bool]) -> None:
+        """Note that ``worker``'s segment ``key`` is stored (keys in increasing order), counting nothing."""
+        if worker in self.columns:
+            self.columns.move_to_end(worker)
+        else:
+            self._forget(stored)
+            self.columns[worker] = [0, 0]
+        keys = self._keys.setdefault(worker, deque())
+        keys.append(key)
+        if len(keys) > 64 and len(keys) % 64 == 0:  # consumed keys behind a long-lived one: compact
+            self._keys[worker] = deque(k for k in keys if stored(k))
+
+    def evicted(self, worker: str, columns: int, unused: bool) -> None:
+        """Count an eviction of ``worker``'s segment (lost only if it was never sampled)."""
+        if unused and worker in self.columns:
+            self.columns[worker][1] += columns
+
+    def victim(self, oldest: int, stored: Callable[[int], bool]) -> int:
+        """The key to evict from a full store whose oldest stored key is ``oldest``."""
+        if self.policy == "oldest":
+            return oldest
+        best: Optional[Tuple[float, int]] = None
+        for worker in list(self._keys):
+            keys = self._keys[worker]
+            while keys and not stored(keys[0]):
+                keys.popleft()
+            if not keys:
+                del self._keys[worker]
+                continue
+            sent, lost = self.columns.get(worker, (1, 0))
+            rank = (lost / max(sent, 1), keys[0])
+            if best is None or rank < best:
+                best = rank
+        return oldest if best is None else best[1]
+
+    def _forget(self, stored: Callable[[int], bool]) -> None:
+        """Make room for one more identity within MAX_WORKERS: forget the least recently seen one that
+        has nothing stored (none, if every identity has: their count is bounded by the capacity)."""
+        for worker in list(self.columns):
+            if len(self.columns) < MAX_WORKERS:
+                return
+            keys = self._keys.get(worker)
+            if not keys or not any(stored(k) for k in keys):
+                del self.columns[worker]
+                self._keys.pop(worker, None)
+
+    def state(self) -> Dict[str, List[int]]:
+        """The per-worker counts, for a snapshot (the stored keys are rebuilt from the store)."""
+        return {w: list(c) for w, c in self.columns.items()}
+
+    def restore(self, counts: Dict[str, List[int]]) -> None:
+        """Load counts written by :meth:`state` (before the stored segments are replayed into it)."""
+        for worker, (sent, lost) in counts.items():
+            self.columns[str(worker)] = [int(sent), int(lost)]
