@@ -33,7 +33,9 @@ def setup(role: str, level: str = "info", fmt: str = "auto", stream: Any = None)
             renderer,
         ],
         wrapper_class=structlog.make_filtering_bound_logger(_LEVELS[level]),
-        logger_factory=structlog.PrintLoggerFactory(file=stream),
+        # one write per line (the message and its newline together): processes sharing one log file, such
+        # as data-parallel learner ranks under one launcher, then never splice two lines into one
+        logger_factory=structlog.WriteLoggerFactory(file=stream),
         cache_logger_on_first_use=False,
     )
     structlog.contextvars.clear_contextvars()
