@@ -6,6 +6,8 @@ from typing import Dict, Tuple
 
 import numpy as np
 import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
 from support.synthetic import random_segment
 
 from zclaw.broker import Store
@@ -50,6 +52,37 @@ def test_consumed_keys_are_skipped_and_identities_are_bounded(monkeypatch: pytes
     ev.inserted("d", 7, 8, live.__contains__)
     # a still holds key 5, so the least recently seen identity with nothing stored, b, is forgotten
     assert list(ev.columns) == ["a", "c", "d"]
+
+
+@settings(max_examples=60, deadline=None)
+@given(st.lists(st.tuples(st.sampled_from(["insert", "insert", "sample", "evict"]), st.integers(0, 5),
+                          st.sampled_from([1, 8, 64]), st.integers(0, 10**6)), max_size=120))
+def test_the_heap_picks_what_a_scan_of_every_worker_picks(ops) -> None:
+    """The lazy heap's victim is the minimum of (lost/sent, oldest stored key) over the workers holding
+    something, after any mix of inserts, samples (a stored key vanishes) and evictions."""
+    live: Dict[int, str] = {}
+    sent: Counter = Counter()
+    lost: Counter = Counter()
+    ev = Eviction("fair")
+    next_key = 0
+    for op, w, cols, pick in ops:
+        worker = f"w{w}"
+        if op == "insert":
+            live[next_key] = worker
+            sent[worker] += cols
+            ev.inserted(worker, next_key, cols, live.__contains__)
+            next_key += 1
+        elif live and op == "sample":
+            del live[sorted(live)[pick % len(live)]]
+        elif live:
+            oldest = {}
+            for k in sorted(live):
+                oldest.setdefault(live[k], k)
+            expect = min((lost[x] / max(sent[x], 1), k) for x, k in oldest.items())[1]
+            assert ev.victim(min(live), live.__contains__) == expect
+            victim = live.pop(expect)
+            lost[victim] += cols  # the size is irrelevant to the rule: any positive loss
+            ev.evicted(victim, cols, unused=True)
 
 
 Shares = Dict[str, float]

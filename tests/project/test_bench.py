@@ -37,6 +37,9 @@ CASES = {
     "scale": (["--seconds", "1", "--warmup", "0.5", "--clients", "4", "--envs", "4", "--T", "16"],
               rf"broker CPU-seconds per million transitions: 1 shard {FLOAT}, 2 shards {FLOAT}[\s\S]*"
               rf"ratio ingest 2 shards / 1 shard: {FLOAT}"),
+    # fair eviction against the ring on one small full store: the table row and its ratio
+    "eviction": (["--rounds", "1", "--inserts", "200", "--capacities", "64", "--workers", "3"],
+                 rf"\| 64 \| 3 \| {FLOAT} \| {FLOAT} \| {FLOAT}x \|"),
     # a mixed (2+4+8 envs) and a same-shape Reacher run of 10 s each: both run lines and the totals
     "mixed": (["--seconds", "10", "--shapes", "2,4,8", "--set", "worker.segment_length=16"],
               r"mixed seed 0: 2\+4\+8 = 14 envs[\s\S]*same  seed 0: 3 x 5 = 15 envs[\s\S]*"

@@ -20,11 +20,15 @@ each sent. ``oldest`` keeps the ring's rule.
 Bookkeeping is per worker identity: the keys of its stored segments in key order (consumed ones are
 dropped lazily, when found at the front) and its sent/lost column counts, kept after its segments are
 gone so that a worker pausing between segments keeps its history (at most ``MAX_WORKERS`` identities,
-the least recently seen without stored segments forgotten first). Choosing costs one pass over the
-workers that have segments stored, at most ``capacity`` of them.
+the least recently seen without stored segments forgotten first). The victim comes from a lazy heap of
+(lost/sent, oldest key) per worker: a worker's rank only rises between its inserts (evictions raise its
+loss, samples its oldest key), so an insert pushes its new rank and a stale entry met at the top is
+replaced by the worker's current rank; the heap is rebuilt when stale entries outnumber the workers.
+An insert then costs O(log workers) (bench/eviction.py).
 """
 from __future__ import annotations
 
+import heapq
 from collections import OrderedDict, deque
 from typing import Callable, Deque, Dict, List, Optional, Tuple
 
@@ -45,23 +49,27 @@ class Eviction:
         self.columns: "OrderedDict[str, List[int]]" = OrderedDict()
         #: worker -> keys of its segments in key order (some may be gone already: dropped when met)
         self._keys: Dict[str, Deque[int]] = {}
+        #: (lost/sent, oldest key, worker), each at most the worker's current rank (the module doc)
+        self._heap: List[Tuple[float, int, str]] = []
 
     def inserted(self, worker: str, key: int, columns: int, stored: Callable[[int], bool]) -> None:
         """Count segment ``key`` of ``columns`` env columns from ``worker``, now stored."""
-        self.track(worker, key, stored)
-        self.columns[worker][0] += columns
+        self.track(worker, key, stored, columns)
 
-    def track(self, worker: str, key: int, stored: Callable[[int], bool]) -> None:
-        """Note that ``worker``'s segment ``key`` is stored (keys in increasing order), counting nothing."""
+    def track(self, worker: str, key: int, stored: Callable[[int], bool], columns: int = 0) -> None:
+        """Note that ``worker``'s segment ``key`` is stored (keys in increasing order), counting ``columns``
+        as sent (0: a segment restored from a snapshot, counted before)."""
         if worker in self.columns:
             self.columns.move_to_end(worker)
         else:
             self._forget(stored)
             self.columns[worker] = [0, 0]
+        self.columns[worker][0] += columns
         keys = self._keys.setdefault(worker, deque())
         keys.append(key)
         if len(keys) > 64 and len(keys) % 64 == 0:  # consumed keys behind a long-lived one: compact
             self._keys[worker] = deque(k for k in keys if stored(k))
+        self._push(worker, stored)  # its rank fell (more sent, or a first key): the heap must hear of it
 
     def evicted(self, worker: str, columns: int, unused: bool) -> None:
         """Count an eviction of ``worker``'s segment (lost only if it was never sampled)."""
@@ -72,19 +80,38 @@ class Eviction:
         """The key to evict from a full store whose oldest stored key is ``oldest``."""
         if self.policy == "oldest":
             return oldest
-        best: Optional[Tuple[float, int]] = None
-        for worker in list(self._keys):
-            keys = self._keys[worker]
-            while keys and not stored(keys[0]):
-                keys.popleft()
-            if not keys:
-                del self._keys[worker]
-                continue
-            sent, lost = self.columns.get(worker, (1, 0))
-            rank = (lost / max(sent, 1), keys[0])
-            if best is None or rank < best:
-                best = rank
-        return oldest if best is None else best[1]
+        heap = self._heap
+        while heap:
+            lost_share, key, worker = heap[0]
+            now = self._rank(worker, stored)
+            if now == (lost_share, key):
+                return key
+            heapq.heappop(heap)  # stale: the worker's rank rose since (or it holds nothing now)
+            if now is not None:
+                heapq.heappush(heap, (now[0], now[1], worker))
+        return oldest
+
+    def _rank(self, worker: str, stored: Callable[[int], bool]) -> Optional[Tuple[float, int]]:
+        """(lost/sent, oldest stored key) of ``worker``, or None if it holds nothing."""
+        keys = self._keys.get(worker)
+        while keys and not stored(keys[0]):
+            keys.popleft()
+        if not keys:
+            self._keys.pop(worker, None)
+            return None
+        sent, lost = self.columns.get(worker, (1, 0))
+        return lost / max(sent, 1), keys[0]
+
+    def _push(self, worker: str, stored: Callable[[int], bool]) -> None:
+        if self.policy != "fair":
+            return
+        rank = self._rank(worker, stored)
+        if rank is not None:
+            heapq.heappush(self._heap, (rank[0], rank[1], worker))
+        if len(self._heap) > 2 * len(self._keys) + 64:  # mostly stale entries: rebuild from the ranks
+            ranks = [(w, self._rank(w, stored)) for w in list(self._keys)]
+            self._heap = [(r[0], r[1], w) for w, r in ranks if r is not None]
+            heapq.heapify(self._heap)
 
     def _forget(self, stored: Callable[[int], bool]) -> None:
         """Make room for one more identity within MAX_WORKERS: forget the least recently seen one that
