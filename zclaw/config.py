@@ -202,6 +202,10 @@ SCHEMA: Dict[str, Dict[str, Key]] = {
         "minibatches": Key(16, "minibatches per pass (16: 256-sample minibatches of a default batch)", min=1),
         "lr": Key(1e-3, "Adam learning rate (target_kl keeps 1e-3 stable; docs/learning.md, Defaults)",
                   min=0),
+        "lr_anneal": Key("off", "linear: the learning rate falls linearly from lr to 0 over the run's budget "
+                         "(the larger of the fractions of run.time and run.steps gone; a run with neither "
+                         "does not anneal), as CleanRL's anneal_lr; off: lr throughout",
+                         choices=("off", "linear")),
         "gamma": Key(0.99, "discount", min=0, max=1),
         "lam": Key(0.95, "GAE/V-trace lambda", min=0, max=1),
         "clip": Key(0.2, "PPO clip range epsilon", min=0),

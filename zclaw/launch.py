@@ -34,6 +34,7 @@ from . import config as config_mod
 from .fleet import broker_shards, broker_total
 from .stopping import EXIT_CANNOT_START, EXIT_FAILED, EXIT_OK, EXIT_REFUSED, StopSignals
 from .security import Security
+from .startup import RUN_CLOCK_ENV
 from .wire import LazyPirate, make, tcp
 from .wire.sockets import CurveClient
 
@@ -112,8 +113,12 @@ class Child:
         self.proc: Optional[subprocess.Popen] = None
         self.restarts = 0
 
-    def start(self, restart: bool = False) -> None:
+    def start(self, restart: bool = False, started: Optional[float] = None) -> None:
+        """Start (or restart) the process; ``started``: the run's start on the monotonic clock, told to the
+        role (:func:`zclaw.startup.run_started`)."""
         env = dict(os.environ, PYTHONUNBUFFERED="1")
+        if started is not None:
+            env[RUN_CLOCK_ENV] = repr(started)
         argv = self.restart_argv() if restart and self.restart_argv is not None else self.argv
         with open(self.log_path, "ab") as log:
             self.proc = subprocess.Popen(
@@ -336,7 +341,7 @@ def train(
          f"envs, run dir {run_dir}")
     try:
         for c in children:
-            c.start()
+            c.start(started=t0)
         bar = _progress_bar(steps_goal, progress)
         last_line = 0.0
         while not stop.is_set():
@@ -351,7 +356,7 @@ def train(
                     c.restarts += 1
                     echo(f"warning: {c.name} exited with {code}; restarting it "
                          f"({c.restarts} of {budget})\n{c.log_tail(5)}")
-                    c.start(restart=True)
+                    c.start(restart=True, started=t0)
                 else:
                     why = NOT_RESTARTED.get(code, f"{c.restarts} restarts used")
                     failure = (f"{c.name} exited with code {code} ({why}); last lines of {c.log_path}:\n"

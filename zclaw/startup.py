@@ -19,12 +19,30 @@ before torch, after the config is resolved).
 """
 from __future__ import annotations
 
+import os
 import threading
+import time
 from typing import Any, Callable, Dict, Optional
 
 from .config import ConfigError
 from .security import Security
 from .stopping import EXIT_CANNOT_START, StopSignals
+
+
+#: set by ``zclaw train`` for its roles: the host's monotonic clock when the run began
+RUN_CLOCK_ENV = "ZCLAW_RUN_CLOCK"
+
+
+def run_started() -> float:
+    """When the run began on ``time.monotonic()``'s clock (one per host): ``zclaw train``'s start as it told
+    its roles (:data:`RUN_CLOCK_ENV`), so that a role it restarts still counts ``run.time`` from the run's
+    start; else now (a role started by hand)."""
+    now = time.monotonic()
+    try:
+        started = float(os.environ.get(RUN_CLOCK_ENV, ""))
+    except ValueError:
+        return now
+    return started if 0.0 <= started <= now else now
 
 
 class CannotStart(Exception):

@@ -134,6 +134,7 @@ def rank_with_options(sync: distributed.Sync) -> Dict[str, Any]:
             batch.arrays["logp_action"] = poisoned
         metrics.append(trainer.update(batch, i))
     out = outcome(trainer, metrics)
+    out["vote"] = sync.vote(rank == 1, (0.25, 0.5)[rank])  # the stop and the lr schedule's progress
     if rank == 0:
         t0 = time.monotonic()
         try:
@@ -152,6 +153,7 @@ def test_ranks_stay_identical_with_options_uneven_batches_and_a_poisoned_minibat
     assert r0["skipped"] > 0, "rank 1's poisoned minibatches are skipped on both ranks"
     assert r0["sgd_steps"][0] > 0 and r0["sgd_steps"][2] > 0, "the other updates step as usual"
     assert r0["scaler"] == r1["scaler"]
+    assert r0["vote"] == r1["vote"] == (True, 0.5), "one rank stopping stops all; the most progress counts"
     # a rank that is gone breaks the next collective, at once: no rank hangs
     assert r0["broken"] is not None, "a collective with a departed rank must fail"
     assert r0["broken"][0] < 30, r0["broken"]

@@ -321,12 +321,19 @@ class Sync:
 
     # -- control ------------------------------------------------------------------------------------------
     def any(self, flag: bool) -> bool:
-        """True on every rank when ``flag`` is true on one (the stop vote before each update)."""
+        """True on every rank when ``flag`` is true on one."""
+        return self.vote(flag, 0.0)[0]
+
+    def vote(self, stop: bool, progress: float) -> Tuple[bool, float]:
+        """The vote before each update: (whether any rank stops, the largest ``progress`` of any rank), the
+        same on every rank from one all-reduce. Progress is the share of the run's budget spent, which sets
+        the annealed learning rate: ranks must agree on it, or their parameters drift apart."""
         if not self.parallel:
-            return bool(flag)
-        t = torch.tensor([1.0 if flag else 0.0], device=self.device)
-        self._run("any", lambda: dist.all_reduce(t, op=dist.ReduceOp.MAX))
-        return bool(t.item() > 0)
+            return bool(stop), float(progress)
+        t = torch.tensor([1.0 if stop else 0.0, float(progress)], dtype=torch.float64, device=self.device)
+        self._run("vote", lambda: dist.all_reduce(t, op=dist.ReduceOp.MAX))
+        flag, most = t.tolist()
+        return flag > 0, float(most)
 
     def share(self, payload: Optional[bytes]) -> bytes:
         """Rank 0's ``payload`` on every rank (other ranks pass None): the state every rank starts from."""

@@ -360,6 +360,7 @@ class Learner:
                                          bind_host=self._bind_host(self.net["learner_host"]))
         self.ckpt_dir = self.run_dir / "checkpoints"
         self.started = time.monotonic()
+        self.run_started = startup.run_started()  # what run.time counts from (learner.lr_anneal)
         self.ctx = zmq.Context()
         self.pub: Optional[zmq.Socket] = None
         self.service: Optional[_Service] = None
@@ -615,6 +616,16 @@ class Learner:
         last_status = last_ckpt = time.monotonic()
         self.step_meter, self.update_meter = RateMeter(), RateMeter()  # rates of training, not of waiting
         voted = False  # left the loop by the ranks' stop vote
+        anneal = self.lcfg["lr_anneal"] == "linear"
+        if anneal:
+            run = self.cfg["run"]
+            if run["time"] or run["steps"]:
+                self.log.info("learning rate anneals linearly to 0 over the run's budget", lr=self.lcfg["lr"],
+                              time_s=run["time"] or None, steps=run["steps"] or None)
+            else:
+                self.log.warning("learner.lr_anneal = linear, but the run sets neither run.time nor "
+                                 "run.steps: the learning rate stays at learner.lr")
+        told_spent = False
         while not self.stop.is_set():
             now = time.monotonic()
             if now - last_ckpt >= ckpt_s:
@@ -656,9 +667,17 @@ class Learner:
                                  "in size; set learner.batch_columns for batches of one size",
                                  columns=list(reply["columns"]), batch_segments=B)
             # data-parallel ranks update in step: each has a batch now; none goes on once one stops
-            if self.sync.any(self.stop.is_set()):
+            stop, spent = self.sync.vote(self.stop.is_set(), self.budget_spent())
+            if stop:
                 voted = True
                 break
+            if anneal:
+                self.trainer.anneal(1.0 - spent)
+                if spent >= 1.0 and not told_spent:
+                    told_spent = True
+                    self.log.warning("the run's budget is spent: learning rate 0, updates no longer change "
+                                     "the policy (raise run.time / run.steps, or learner.lr_anneal = off)",
+                                     steps_consumed=self.steps_consumed)
             t0 = time.monotonic()
             try:
                 metrics = self.trainer.update(reply, int(self.version))
@@ -676,6 +695,18 @@ class Learner:
             self.publish()
         if not voted:  # stopped on its own (waiting for a batch): the ranks waiting in the vote learn it
             self.sync.any(True)
+
+    def budget_spent(self) -> float:
+        """The share of the run's budget spent, in [0, 1]: the larger of the wall time since the run began
+        (``zclaw train``'s start, which a restarted learner keeps; else this learner's) over ``run.time`` and
+        the env steps trained on over ``run.steps`` (0 when the run sets neither)."""
+        run = self.cfg["run"]
+        spent = 0.0
+        if run["time"] > 0:
+            spent = (time.monotonic() - self.run_started) / float(run["time"])
+        if run["steps"] > 0:
+            spent = max(spent, self.steps_consumed / float(run["steps"]))
+        return min(spent, 1.0)
 
     def _status_drops(self) -> Dict[str, int]:
         out: Dict[str, int] = {}

@@ -515,11 +515,17 @@ class Trainer:
 
         metrics: Dict[str, Any] = {k: (v / count if count else float("nan")) for k, v in sums.items()}
         metrics["sgd_steps"] = float(count)
+        metrics["lr"] = float(self.optimizer.param_groups[0]["lr"])
         metrics["kl_stopped"] = float(stopped)
         metrics.update(self._batch_metrics(p))
         metrics["steps_all"] = float(sum(p.rank_samples))  # every rank's batch together (alone: steps)
         metrics["priorities"] = [float(v) for v in p.priorities.cpu()]
         return metrics
+
+    def anneal(self, remaining: float) -> None:
+        """Set the main learning rate to ``remaining`` x ``lr`` (``learner.lr_anneal``; remaining in [0, 1],
+        the budget not yet spent). The student's rate stays: distillation follows whatever the policy is."""
+        self.optimizer.param_groups[0]["lr"] = self.cfg.lr * min(max(float(remaining), 0.0), 1.0)
 
     def _clip_gradients(self) -> torch.Tensor:
         """Clip the main parameters' gradient to ``max_grad_norm``; its norm before clipping (on the
