@@ -70,6 +70,10 @@ def test_restore_refuses_another_spec_capacity_or_mode_and_changes_nothing(tmp_p
         bad = dict(arrays, key=keys)  # repeated keys; keys the store never handed out
         with pytest.raises(ValueError, match="keys"):
             Store(SPEC, 8, mode="uniform").restore(bad, meta)
+    store = Store(SPEC, 8, mode="uniform")
+    with pytest.raises(ValueError, match="worker_columns"):
+        store.restore(arrays, dict(meta, worker_columns={"w0": "lots"}))
+    assert store.fill == 0 and store.T is None
 
 
 def test_restore_keeps_each_workers_eviction_counts_and_reads_format_2(tmp_path: Path) -> None:

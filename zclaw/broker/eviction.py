@@ -53,12 +53,8 @@ class Eviction:
         self._heap: List[Tuple[float, int, str]] = []
 
     def inserted(self, worker: str, key: int, columns: int, stored: Callable[[int], bool]) -> None:
-        """Count segment ``key`` of ``columns`` env columns from ``worker``, now stored."""
-        self.track(worker, key, stored, columns)
-
-    def track(self, worker: str, key: int, stored: Callable[[int], bool], columns: int = 0) -> None:
-        """Note that ``worker``'s segment ``key`` is stored (keys in increasing order), counting ``columns``
-        as sent (0: a segment restored from a snapshot, counted before)."""
+        """Note that ``worker``'s segment ``key`` of ``columns`` env columns is stored (keys in increasing
+        order), counting its columns as sent (0: a segment restored from a snapshot, counted before)."""
         if worker in self.columns:
             self.columns.move_to_end(worker)
         else:
@@ -131,4 +127,4 @@ class Eviction:
     def restore(self, counts: Dict[str, List[int]]) -> None:
         """Load counts written by :meth:`state` (before the stored segments are replayed into it)."""
         for worker, (sent, lost) in counts.items():
-            self.columns[str(worker)] = [int(sent), int(lost)]
+            self.columns[worker] = [sent, lost]

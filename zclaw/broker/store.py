@@ -331,6 +331,12 @@ class Store:
         cols = np.asarray(arrays["columns"], dtype=np.int64)
         if len(cols) != n or (cols < 1).any():
             raise ValueError("snapshot env counts are missing or out of range")
+        sent_lost = meta.get("worker_columns")  # absent in format 2: then the stored segments are all we know
+        try:
+            sent_lost = (None if sent_lost is None
+                         else {str(w): [int(a), int(b)] for w, (a, b) in sent_lost.items()})
+        except (AttributeError, TypeError, ValueError):
+            raise ValueError("snapshot worker_columns are not {worker: [sent, lost]}") from None
         if meta["T"] is not None:
             T = int(meta["T"])
             rows: Dict[str, List[np.ndarray]] = {}
@@ -365,15 +371,12 @@ class Store:
                 prio = arrays.get("priority")
                 self._tree.update(s, float(prio[i]) if prio is not None else 1.0)
         self._fill = n
-        counts = meta.get("worker_columns")  # absent in format 2: the stored segments are all that is known
-        self._evict.restore(counts or {})
+        self._evict.restore(sent_lost or {})
         for i in np.argsort(keys, kind="stable"):
             key, s = int(keys[i]), int(slots[i])
             self._slot_by_key[key] = s
-            if counts is None:
-                self._evict.inserted(self._workers[s], key, int(cols[i]), self._slot_by_key.__contains__)
-            else:
-                self._evict.track(self._workers[s], key, self._slot_by_key.__contains__)
+            self._evict.inserted(self._workers[s], key, int(cols[i]) if sent_lost is None else 0,
+                                 self._slot_by_key.__contains__)
         taken = set(int(s) for s in slots)
         self._free = [s for s in range(self.capacity - 1, -1, -1) if s not in taken]
         self._next_key = int(meta["next_key"])
