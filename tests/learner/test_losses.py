@@ -152,6 +152,12 @@ def test_weighted_mean_and_normalize() -> None:
     close(losses.weighted_mean(torch.tensor([1.0, 3.0]), torch.tensor([2.0, 0.0])).reshape(1), [1.0])
     n = losses.normalize(torch.tensor([1.0, 2.0, 3.0]))
     close(n, [-1.0, 0.0, 1.0])  # std (unbiased) of 1, 2, 3 is 1
+    # adv_norm = "center": the mean only, so the advantages keep their units (and their smallness)
+    close(losses.normalize(torch.tensor([0.01, 0.02, 0.06]), scale=False), [-0.02, -0.01, 0.03])
+    close(losses.normalize(torch.tensor([0.01, 0.02, 0.06]), stats=(0.03, 0.5, 3), scale=False),
+          [-0.02, -0.01, 0.03])
+    close(losses.masked_normalize(torch.tensor([1.0, 3.0, 9.0]), torch.tensor([True, True, False]), scale=False),
+          [-1.0, 1.0, 0.0])
     assert losses.explained_variance(torch.tensor([1.0, 2.0]), torch.tensor([1.0, 2.0])) == pytest.approx(1.0)
 
 

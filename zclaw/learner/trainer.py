@@ -87,6 +87,7 @@ class TrainConfig:
     ent_coef: float
     max_grad_norm: float
     target_kl: float
+    adv_norm: str
     reward_scale: str
     reward_clip: float
     popart_beta: float
@@ -567,13 +568,13 @@ class Trainer:
               (ppoc: + master_coef L^Omega + termination_coef L^beta instead of L^H)
               + termination_prior_coef L^prior                                      K > 1
 
-        Advantages are normalised per minibatch (as PPO implementations do; ``norm``: the statistics of
+        Advantages are normalised per minibatch (``adv_norm``; ``norm``: the statistics of
         :meth:`_advantage_sets` over every rank's minibatch, with data-parallel ranks); every per-sample term
         is weighted by the segment's importance weight w (the intra-option terms by ``w_low``, which adds the
         per-option weight when ``option_weights`` is on).
         """
         c = self.cfg
-        adv = losses.normalize(mb.adv, stats=norm[0] if norm else None)
+        adv = losses.normalize(mb.adv, stats=norm[0] if norm else None, scale=c.adv_norm == "std")
         logp_new, log_std = self._logp(mb.x, mb.option, mb.action)
         with torch.no_grad():  # distance from the behaviour policy: the KL stop and the metrics
             log_ratio = logp_new - mb.logp_mu
@@ -613,14 +614,14 @@ class Trainer:
         if c.mode == "dac":
             log_pi_hat = model.mix_call_and_return(log_master, beta_prev, prev, mb.ep_start).gather(
                 -1, mb.option.unsqueeze(-1)).squeeze(-1)
-            adv_h = losses.masked_normalize(mb.adv_high, known, stats=norm)
+            adv_h = losses.masked_normalize(mb.adv_high, known, stats=norm, scale=c.adv_norm == "std")
             hl = losses.dac_high_loss(log_pi_hat, mb.logp_mu_option, adv_h, c.clip)
             out["loss/master"] = losses.masked_mean(hl, known, w)
             out["loss/termination"] = torch.zeros((), device=x.device)
         else:
             picked = mb.option_start & known
             log_pi_omega = log_master.gather(-1, mb.option.unsqueeze(-1)).squeeze(-1)
-            adv_m = losses.masked_normalize(mb.adv_master, picked, stats=norm)
+            adv_m = losses.masked_normalize(mb.adv_master, picked, stats=norm, scale=c.adv_norm == "std")
             w_is = losses.truncated_is(mb.log_rho_option, c.rho_bar)
             out["loss/master"] = losses.masked_mean(losses.ppoc_master_loss(log_pi_omega, adv_m, w_is),
                                                     picked, w)

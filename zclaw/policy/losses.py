@@ -293,27 +293,28 @@ def weighted_mean(x: torch.Tensor, weight: Optional[torch.Tensor] = None) -> tor
 
 
 def normalize(adv: torch.Tensor, eps: float = 1e-8,
-              stats: Optional[Tuple[float, float, float]] = None) -> torch.Tensor:
-    """``(A - mean A) / (std A + eps)``: per-minibatch advantage normalisation, as PPO implementations do.
+              stats: Optional[Tuple[float, float, float]] = None, scale: bool = True) -> torch.Tensor:
+    """``(A - mean A) / (std A + eps)``: per-minibatch advantage normalisation, as PPO implementations do
+    (``scale`` False: ``A - mean A`` only, ``learner.adv_norm = "center"``).
 
     ``stats`` = (mean, unbiased std, count) of a set ``adv`` is part of, used instead of ``adv``'s own: with
     data-parallel learner ranks, every rank's minibatch together (zclaw/learner/distributed.py), so N ranks
     normalise as one learner on their union would. A set of fewer than 2 entries is only centred."""
     if stats is not None:
         mean, std, count = stats
-        return adv - mean if count < 2 else (adv - mean) / (std + eps)
-    if adv.numel() < 2:
+        return adv - mean if count < 2 or not scale else (adv - mean) / (std + eps)
+    if adv.numel() < 2 or not scale:
         return adv - adv.mean()
     return (adv - adv.mean()) / (adv.std() + eps)
 
 
 def masked_normalize(adv: torch.Tensor, mask: torch.Tensor, eps: float = 1e-8,
-                     stats: Optional[Tuple[float, float, float]] = None) -> torch.Tensor:
+                     stats: Optional[Tuple[float, float, float]] = None, scale: bool = True) -> torch.Tensor:
     """:func:`normalize` over the entries where ``mask`` holds (statistics from those only, or ``stats``);
     0 elsewhere."""
     out = torch.zeros_like(adv)
     if bool(mask.any()):
-        out[mask] = normalize(adv[mask], eps, stats)
+        out[mask] = normalize(adv[mask], eps, stats, scale)
     return out
 
 
