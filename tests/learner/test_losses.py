@@ -156,8 +156,8 @@ def test_weighted_mean_and_normalize() -> None:
     close(losses.normalize(torch.tensor([0.01, 0.02, 0.06]), scale=False), [-0.02, -0.01, 0.03])
     close(losses.normalize(torch.tensor([0.01, 0.02, 0.06]), stats=(0.03, 0.5, 3), scale=False),
           [-0.02, -0.01, 0.03])
-    close(losses.masked_normalize(torch.tensor([1.0, 3.0, 9.0]), torch.tensor([True, True, False]), scale=False),
-          [-1.0, 1.0, 0.0])
+    mask = torch.tensor([True, True, False])
+    close(losses.masked_normalize(torch.tensor([1.0, 3.0, 9.0]), mask, scale=False), [-1.0, 1.0, 0.0])
     assert losses.explained_variance(torch.tensor([1.0, 2.0]), torch.tensor([1.0, 2.0])) == pytest.approx(1.0)
 
 
