@@ -107,6 +107,11 @@ class TrainConfig:
     health_identical_spread: float
     health_warmup_updates: int
 
+    @property
+    def scale_advantages(self) -> bool:
+        """``adv_norm = "std"``: advantages divided by their std as well as centred."""
+        return self.adv_norm == "std"
+
     @classmethod
     def from_section(cls, section: Mapping[str, Any]) -> "TrainConfig":
         """From a ``[learner]`` mapping (a resolved config's, or a partial one in tests), validated by the
@@ -574,7 +579,7 @@ class Trainer:
         per-option weight when ``option_weights`` is on).
         """
         c = self.cfg
-        adv = losses.normalize(mb.adv, stats=norm[0] if norm else None, scale=c.adv_norm == "std")
+        adv = losses.normalize(mb.adv, stats=norm[0] if norm else None, scale=c.scale_advantages)
         logp_new, log_std = self._logp(mb.x, mb.option, mb.action)
         with torch.no_grad():  # distance from the behaviour policy: the KL stop and the metrics
             log_ratio = logp_new - mb.logp_mu
@@ -614,14 +619,14 @@ class Trainer:
         if c.mode == "dac":
             log_pi_hat = model.mix_call_and_return(log_master, beta_prev, prev, mb.ep_start).gather(
                 -1, mb.option.unsqueeze(-1)).squeeze(-1)
-            adv_h = losses.masked_normalize(mb.adv_high, known, stats=norm, scale=c.adv_norm == "std")
+            adv_h = losses.masked_normalize(mb.adv_high, known, stats=norm, scale=c.scale_advantages)
             hl = losses.dac_high_loss(log_pi_hat, mb.logp_mu_option, adv_h, c.clip)
             out["loss/master"] = losses.masked_mean(hl, known, w)
             out["loss/termination"] = torch.zeros((), device=x.device)
         else:
             picked = mb.option_start & known
             log_pi_omega = log_master.gather(-1, mb.option.unsqueeze(-1)).squeeze(-1)
-            adv_m = losses.masked_normalize(mb.adv_master, picked, stats=norm, scale=c.adv_norm == "std")
+            adv_m = losses.masked_normalize(mb.adv_master, picked, stats=norm, scale=c.scale_advantages)
             w_is = losses.truncated_is(mb.log_rho_option, c.rho_bar)
             out["loss/master"] = losses.masked_mean(losses.ppoc_master_loss(log_pi_omega, adv_m, w_is),
                                                     picked, w)
