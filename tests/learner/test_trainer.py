@@ -226,3 +226,24 @@ def test_a_blown_up_observation_does_not_poison_the_normaliser() -> None:
     # what the network is fed stays clipped, the blown-up row included
     x = poisoned.model.obs_norm(torch.as_tensor(a["obs"][1, 3]))
     assert float(x.abs().max()) <= 10.0
+
+
+@pytest.mark.parametrize("options", [1, 2])
+def test_log_std_min_floors_the_sigma_a_bandit_would_shrink(options: int) -> None:
+    """The bandit rewards acting exactly at 0.5, so the policy narrows; without a floor its log std
+    falls below -1, with ``log_std_min = -1`` every option's stays on or above it (and the floor binds)."""
+    spec = spec_of(1, 1)
+    lowest = {}
+    for floor in (-20.0, -1.0):
+        torch.manual_seed(0)
+        rng = np.random.default_rng(0)
+        model = make_model(spec, hidden=[16], options=options, init_log_std=-0.8)
+        trainer = Trainer(model, learner_cfg(lr=2e-2, epochs=4, minibatches=2, target_kl=0.0,
+                                             log_std_min=floor), "cpu")
+        for version in range(40):
+            trainer.update(bandit_batch(model, spec, rng), version)
+        raw = torch.cat([p.detach().flatten() for p in trainer.log_std_params])
+        assert float(raw.min()) >= floor
+        lowest[floor] = float(model.option_log_std().detach().min())
+    assert lowest[-20.0] < -1.0, lowest  # the bandit does shrink sigma past the floor
+    assert lowest[-1.0] == pytest.approx(-1.0, abs=1e-6), lowest  # the floor holds, and binds

@@ -85,6 +85,7 @@ class TrainConfig:
     c_bar: float
     vf_coef: float
     ent_coef: float
+    log_std_min: float
     max_grad_norm: float
     target_kl: float
     adv_norm: str
@@ -211,6 +212,9 @@ class Trainer:
              {"params": self.student_parameters(), "lr": c.student_lr}], eps=1e-5,
             fused=True if self.device.type == "cuda" else None)
         self.params = [p for group in self.optimizer.param_groups for p in group["params"]]
+        #: what log_std_min floors: the option policies' log stds (not the student's, which only imitates)
+        self.log_std_params = [self.model.log_std] + ([self.model.shared_log_std] if self.model.residual
+                                                      else [])
         self.low = (torch.as_tensor(action_low, dtype=torch.float32, device=self.device)
                     if action_low is not None else None)
         self.high = (torch.as_tensor(action_high, dtype=torch.float32, device=self.device)
@@ -513,6 +517,7 @@ class Trainer:
                     self.optimizer.zero_grad(set_to_none=True)
                     continue
                 self.optimizer.step()
+                self._floor_log_std()
 
                 host.update(approx_kl=kl, clip_frac=clip_frac, grad_norm=gn)
                 for k in sums:
@@ -532,6 +537,13 @@ class Trainer:
         """Set the main learning rate to ``remaining`` x ``lr`` (``learner.lr_anneal``; remaining in [0, 1],
         the budget not yet spent). The student's rate stays: distillation follows whatever the policy is."""
         self.optimizer.param_groups[0]["lr"] = self.cfg.lr * min(max(float(remaining), 0.0), 1.0)
+
+    def _floor_log_std(self) -> None:
+        """Project the intra-option log stds (and the shared one) back above ``log_std_min``: a projected
+        gradient step, so the weights the workers act with never hold a sigma below the floor."""
+        with torch.no_grad():
+            for p in self.log_std_params:
+                p.clamp_(min=self.cfg.log_std_min)
 
     def _clip_gradients(self) -> torch.Tensor:
         """Clip the main parameters' gradient to ``max_grad_norm``; its norm before clipping (on the
