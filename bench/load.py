@@ -64,7 +64,10 @@ def _pusher(
 ) -> None:
     sock = ctx.socket(zmq.PUSH)
     sock.setsockopt(zmq.SNDHWM, 8)
-    sock.setsockopt(zmq.LINGER, 10000)  # what was sent is delivered before the socket goes
+    # what was sent is delivered before the socket goes, however long a loaded broker takes to drain it
+    # (a finite linger dropped the last queued segments under a full test suite on 2 cores); a broker that
+    # died leaves the process to Pushers.stop's join timeout
+    sock.setsockopt(zmq.LINGER, -1)
     sock.connect(endpoint)
     sock.send_multipart(make("hello", role="worker", identity=f"load{idx}", host="bench", pid=os.getpid(),
                              zclaw="0", spec=SPEC.to_dict(), segment_length=None))
