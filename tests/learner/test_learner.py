@@ -146,6 +146,7 @@ class Subscriber:
         self.monitor = self.sock.get_monitor_socket(zmq.EVENT_HANDSHAKE_SUCCEEDED)
         self.sock.connect(f"tcp://127.0.0.1:{port}")
         self.versions: List[int] = []
+        self.first = None  # the first weights message received, parsed
 
     def wait_connected(self, timeout_s: float) -> None:
         assert self.monitor.poll(int(timeout_s * 1000)), "SUB never connected to the learner PUB"
@@ -154,7 +155,9 @@ class Subscriber:
 
     def drain(self, timeout_s: float = 0.1) -> List[int]:
         while self.sock.poll(int(timeout_s * 1000)):
-            self.versions.append(int(parse(self.sock.recv_multipart())["version"]))
+            msg = parse(self.sock.recv_multipart())
+            self.first = self.first if self.first is not None else msg
+            self.versions.append(int(msg["version"]))
             timeout_s = 0.0
         return self.versions
 
@@ -282,12 +285,16 @@ def test_learner_process_publishes_serves_survives_broker_restart_and_resumes(tm
     with broker.lock:
         broker.requests.clear()
     sub = Subscriber(ports["pub"])
-    proc = start_learner(run_dir, ports, resume=True, log_file=log)
+    # resumed under a log std floor above the checkpoint's (init -0.5): the checkpoint's own version is
+    # published lifted to the floor, before any update
+    assert float(state["model"]["log_std"].min()) < -0.2
+    proc = start_learner(run_dir, ports, True, log, "learner.log_std_min=-0.2")
     try:
         sub.wait_connected(20)
         broker.spec_ready.set()
         wait_until(lambda: len(sub.drain()) >= 3, 60, "versions after resume", proc=proc, output=log)
         assert sub.versions[0] == last, (sub.versions, last)
+        assert float(model_from_weights(sub.first).log_std.detach().min()) == pytest.approx(-0.2)
         assert all(b > a for a, b in zip(sub.versions, sub.versions[1:]))
         with broker.lock:
             assert broker.requests[0]["version"] == last

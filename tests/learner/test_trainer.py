@@ -247,3 +247,13 @@ def test_log_std_min_floors_the_sigma_a_bandit_would_shrink(options: int) -> Non
         lowest[floor] = float(model.option_log_std().detach().min())
     assert lowest[-20.0] < -1.0, lowest  # the bandit does shrink sigma past the floor
     assert lowest[-1.0] == pytest.approx(-1.0, abs=1e-6), lowest  # the floor holds, and binds
+
+
+def test_log_std_min_lifts_weights_the_trainer_did_not_step() -> None:
+    """A fresh model whose ``init_log_std`` is under the floor is lifted when the trainer is built, so the
+    version-0 weights workers act with obey the floor too; the student's log std (it only imitates) is not."""
+    spec = spec_of(1, 2)
+    model = make_model(spec, hidden=[16], options=2, init_log_std=-3.0)
+    Trainer(model, learner_cfg(log_std_min=-1.5), "cpu")
+    assert float(model.log_std.detach().min()) == pytest.approx(-1.5)
+    assert float(model.student_log_std.detach().max()) == pytest.approx(-3.0)

@@ -486,6 +486,7 @@ class Learner:
             extra = state.get("extra") or {}
             self.episodes.restore({"returns": extra.get("returns_100", [])})
             self.last_checkpoint = state.get("path")
+            self.trainer.floor_log_std()  # a checkpoint written under a lower floor obeys this run's
         if self.service is not None:
             self.service.spec_hash = spec.hash
         self.publish()

@@ -234,6 +234,7 @@ class Trainer:
         self.obs_max_abs = float(obs_max_abs)
         self.skipped_steps = 0  # optimiser steps skipped because the loss or gradient was not finite
         self.norm_left_out = 0  # observation rows the normaliser left out (out of range)
+        self.floor_log_std()
 
     def state_dict(self) -> Dict[str, Any]:
         """What a checkpoint keeps of the trainer beside the model and the optimiser."""
@@ -517,7 +518,7 @@ class Trainer:
                     self.optimizer.zero_grad(set_to_none=True)
                     continue
                 self.optimizer.step()
-                self._floor_log_std()
+                self.floor_log_std()
 
                 host.update(approx_kl=kl, clip_frac=clip_frac, grad_norm=gn)
                 for k in sums:
@@ -538,9 +539,11 @@ class Trainer:
         the budget not yet spent). The student's rate stays: distillation follows whatever the policy is."""
         self.optimizer.param_groups[0]["lr"] = self.cfg.lr * min(max(float(remaining), 0.0), 1.0)
 
-    def _floor_log_std(self) -> None:
+    def floor_log_std(self) -> None:
         """Project the intra-option log stds (and the shared one) back above ``log_std_min``: a projected
-        gradient step, so the weights the workers act with never hold a sigma below the floor."""
+        gradient step, so the weights the workers act with never hold a sigma below the floor. Also called
+        on weights the trainer did not step (a fresh model whose ``init_log_std`` is below the floor, a
+        checkpoint written under a lower floor), so version 0 and a resumed version obey it too."""
         with torch.no_grad():
             for p in self.log_std_params:
                 p.clamp_(min=self.cfg.log_std_min)
