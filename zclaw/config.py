@@ -213,10 +213,12 @@ SCHEMA: Dict[str, Dict[str, Key]] = {
         "c_bar": Key(1.0, "truncation of trace-cutting weights (c bar)", min=0),
         "vf_coef": Key(0.5, "value loss coefficient", min=0),
         "ent_coef": Key(0.0, "entropy bonus coefficient", min=0),
-        "log_std_min": Key(-20.0, "floor on the Gaussian policies' log standard deviations, applied after "
-                           "every optimiser step (a projection): a policy whose sigma collapses makes "
+        "log_std_min": Key(-2.3, "floor on the option policies' log standard deviations, applied after "
+                           "every optimiser step and to fresh or resumed weights (a projection; -2.3: "
+                           "sigma >= 0.1 on a [-1, 1] action): a policy whose sigma collapses makes "
                            "each log-probability ratio so sensitive to its mean that updates turn "
-                           "erratic; -20: no floor in practice", max=0),
+                           "erratic; a policy.init_log_std below it starts at the floor; -20: no "
+                           "floor in practice", max=0),
         "adv_norm": Key("std", "per-minibatch advantage normalisation: subtract the mean and divide by the "
                         "std, as PPO implementations do (std); or subtract the mean only (center), so the "
                         "advantages keep the scaled reward's units and an update shrinks as they do",
