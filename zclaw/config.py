@@ -217,8 +217,9 @@ SCHEMA: Dict[str, Dict[str, Key]] = {
                            "every optimiser step and to fresh or resumed weights (a projection; -2.3: "
                            "sigma >= 0.1 on a [-1, 1] action): a policy whose sigma collapses makes "
                            "each log-probability ratio so sensitive to its mean that updates turn "
-                           "erratic; a policy.init_log_std below it starts at the floor; -20: no "
-                           "floor in practice", max=0),
+                           "erratic; a policy.init_log_std below it starts at the floor; the noise it "
+                           "keeps costs training return on a task that charges for |a|^2 (Reacher: "
+                           "-3.0 there); -20: no floor in practice", max=0),
         "adv_norm": Key("std", "per-minibatch advantage normalisation: subtract the mean and divide by the "
                         "std, as PPO implementations do (std); or subtract the mean only (center), so the "
                         "advantages keep the scaled reward's units and an update shrinks as they do",
