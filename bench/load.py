@@ -105,6 +105,39 @@ def _group(
     ctx.term()
 
 
+def running(pid: int) -> bool:
+    """Whether process ``pid`` exists and is not a zombie."""
+    try:
+        return Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0] != "Z"
+    except OSError:
+        return False
+
+
+def handshake(ctx: zmq.Context, serve: int, T: int, broker_pid: int) -> None:
+    """A worker's hello on the serve socket (spec and T), repeated until welcomed, as a real worker does
+    before its first segment: the broker adopts the spec and binds ingest again before it answers, so no
+    segment is on the wire during that rebind (streamed behind an ingest hello instead, 32 pushers lost
+    17k of 44k segments on a loaded machine: the rebind closes connections with bytes in flight)."""
+    deadline = time.monotonic() + 60
+    while time.monotonic() < deadline:
+        if not running(broker_pid):
+            raise RuntimeError(f"broker (pid {broker_pid}) exited")
+        s = ctx.socket(zmq.REQ)
+        s.setsockopt(zmq.LINGER, 0)
+        s.connect(f"tcp://127.0.0.1:{serve}")
+        try:
+            s.send_multipart(make("hello", role="worker", identity="load-handshake", host="bench",
+                                  pid=os.getpid(), zclaw="0", spec=SPEC.to_dict(), segment_length=T))
+            if s.poll(1000):
+                msg = parse(s.recv_multipart())
+                if msg.kind != "welcome":
+                    raise RuntimeError(f"broker answered the handshake with {msg.kind}: {dict(msg.header)}")
+                return
+        finally:
+            s.close()
+    raise RuntimeError("broker did not welcome the handshake within 60 s")
+
+
 def status(ctx: zmq.Context, port: int) -> Dict[str, Any]:
     s = ctx.socket(zmq.REQ)
     s.setsockopt(zmq.LINGER, 0)
@@ -173,6 +206,7 @@ def run(ingest_port: int, serve_port: int, broker_pid: int, seconds: float, work
     starts once every pusher has connected)."""
     ctx = zmq.Context()
     try:
+        handshake(ctx, serve_port, T, broker_pid)
         with Pushers(ingest_port, workers, T, N) as pushers:
             pushers.go()
             return _sample_under_load(ctx, serve_port, broker_pid, seconds, batch, pushers, T, N)

@@ -42,7 +42,7 @@ from typing import Any, Dict, List, Tuple
 import zmq
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from load import PROCESSES, Pushers, cpu_s, status  # noqa: E402
+from load import PROCESSES, Pushers, cpu_s, handshake, status  # noqa: E402
 from pipeline import SPEC, free_port, segment_arrays  # noqa: E402
 
 from zclaw.wire import make, parse  # noqa: E402
@@ -72,29 +72,6 @@ def start_brokers(shards: int, capacity: int) -> Tuple[List[subprocess.Popen], L
     return procs, ports
 
 
-def handshake(ctx: zmq.Context, serve: int, T: int, proc: subprocess.Popen) -> None:
-    """A worker's hello on the serve socket (spec and T), repeated until welcomed: the broker adopts the
-    spec and binds ingest again before it answers, so no segment is on the wire during that rebind."""
-    deadline = time.monotonic() + 60
-    while time.monotonic() < deadline:
-        if proc.poll() is not None:
-            raise RuntimeError(f"broker exited with {proc.returncode}")
-        s = ctx.socket(zmq.REQ)
-        s.setsockopt(zmq.LINGER, 0)
-        s.connect(f"tcp://127.0.0.1:{serve}")
-        try:
-            s.send_multipart(make("hello", role="worker", identity="scale-handshake", host="bench",
-                                  pid=os.getpid(), zclaw="0", spec=SPEC.to_dict(), segment_length=T))
-            if s.poll(1000):
-                msg = parse(s.recv_multipart())
-                if msg.kind != "welcome":
-                    raise RuntimeError(f"broker answered the handshake with {msg.kind}: {dict(msg.header)}")
-                return
-        finally:
-            s.close()
-    raise RuntimeError("broker did not welcome the handshake within 60 s")
-
-
 def measure(shards: int, a: argparse.Namespace) -> Dict[str, Any]:
     """One configuration: brokers up, clients pushing, the sampler taking batches; the window's figures."""
     ctx = zmq.Context()
@@ -102,7 +79,7 @@ def measure(shards: int, a: argparse.Namespace) -> Dict[str, Any]:
     clients = None
     try:
         for proc, (_, serve) in zip(brokers, ports):
-            handshake(ctx, serve, a.T, proc)
+            handshake(ctx, serve, a.T, proc.pid)
         clients = Pushers([f"tcp://127.0.0.1:{i}" for i, _ in ports], a.clients, a.T, a.envs)
         clients.go()
         socks = []
