@@ -26,6 +26,7 @@ from pathlib import Path
 from typing import Any, Dict, List, Union
 
 import numpy as np
+import structlog
 import zmq
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
@@ -33,6 +34,7 @@ from pipeline import SPEC, free_port, segment_arrays  # noqa: E402
 
 from zclaw.wire import Segment, make, parse  # noqa: E402
 from zclaw.wire.messages import batch_dims  # noqa: E402
+from zclaw.worker.session import BrokerSession, Refused  # noqa: E402
 
 
 #: processes the pushers are spread over (threads inside each)
@@ -113,29 +115,27 @@ def running(pid: int) -> bool:
         return False
 
 
-def handshake(ctx: zmq.Context, serve: int, T: int, broker_pid: int) -> None:
-    """A worker's hello on the serve socket (spec and T), repeated until welcomed, as a real worker does
-    before its first segment: the broker adopts the spec and binds ingest again before it answers, so no
-    segment is on the wire during that rebind (streamed behind an ingest hello instead, 32 pushers lost
-    17k of 44k segments on a loaded machine: the rebind closes connections with bytes in flight)."""
-    deadline = time.monotonic() + 60
-    while time.monotonic() < deadline:
-        if not running(broker_pid):
-            raise RuntimeError(f"broker (pid {broker_pid}) exited")
-        s = ctx.socket(zmq.REQ)
-        s.setsockopt(zmq.LINGER, 0)
-        s.connect(f"tcp://127.0.0.1:{serve}")
-        try:
-            s.send_multipart(make("hello", role="worker", identity="load-handshake", host="bench",
-                                  pid=os.getpid(), zclaw="0", spec=SPEC.to_dict(), segment_length=T))
-            if s.poll(1000):
-                msg = parse(s.recv_multipart())
-                if msg.kind != "welcome":
-                    raise RuntimeError(f"broker answered the handshake with {msg.kind}: {dict(msg.header)}")
-                return
-        finally:
-            s.close()
-    raise RuntimeError("broker did not welcome the handshake within 60 s")
+def handshake(ctx: zmq.Context, serve: int, T: int, broker_pid: int, timeout_s: float = 60.0) -> None:
+    """A worker's handshake on the serve socket (spec and T), the worker's own :class:`BrokerSession`, as a
+    real worker does before its first segment: the broker adopts the spec and binds ingest again before
+    it answers, so no segment is on the wire during that rebind (streamed behind an ingest hello instead,
+    32 pushers lost 17k of 44k segments on a loaded machine: the rebind closes connections with bytes in
+    flight)."""
+    session = BrokerSession(
+        ctx, f"tcp://127.0.0.1:{serve}",
+        lambda: make("hello", role="worker", identity="load-handshake", host="bench", pid=os.getpid(),
+                     zclaw="0", spec=SPEC.to_dict(), segment_length=T),
+        structlog.get_logger("bench"), spec_hash=SPEC.hash, timeout_ms=1000)
+    deadline = time.monotonic() + timeout_s
+    try:
+        welcome = session.handshake(lambda: time.monotonic() > deadline or not running(broker_pid))
+    except Refused as exc:
+        raise RuntimeError(str(exc)) from exc
+    finally:
+        session.close()
+    if welcome is None:
+        raise RuntimeError(f"broker (pid {broker_pid}) exited or did not welcome the handshake within "
+                           f"{timeout_s:.0f} s")
 
 
 def status(ctx: zmq.Context, port: int) -> Dict[str, Any]:
