@@ -290,11 +290,14 @@ SCHEMA: Dict[str, Dict[str, Key]] = {
                               "(Bacon et al. 2017's epsilon-greedy master, differentiable); workers sample "
                               "from it and the learner trains it; 0: plain softmax; ignored for K = 1",
                               min=0, below=1),
-        "option_residual": Key(True, "K > 1: each intra-option Gaussian is a shared one plus the option's "
-                               "own residual, mu_o(s) = mu(s) + delta_o(s) and log sigma_o = log sigma + "
-                               "delta_o, so every step trains the shared part and an option picked rarely "
-                               "still acts as well as the others instead of being abandoned untrained; "
-                               "false: K independent heads; ignored for K = 1"),
+        "option_residual": Key(True, "K > 1: each intra-option Gaussian averages a shared head and the "
+                               "option's own, mu_o(s) = s mu(s) + (1 - s) m_o(s) and log sigma_o = s log "
+                               "sigma + (1 - s) l_o (s: option_share), so every step trains the shared part "
+                               "and an option picked rarely still acts as well as the others instead of "
+                               "being abandoned untrained; false: K independent heads; ignored for K = 1"),
+        "option_share": Key(0.5, "K > 1 with option_residual: the shared head's weight s; larger s, more of "
+                            "every option learns from every step and options differ less",
+                            min=0.01, below=1),
     },
     "log": {
         "level": Key("info", "log level", choices=("debug", "info", "warning", "error")),

@@ -69,14 +69,15 @@ POLICIES = {
 }
 
 
-def policy_weights(kind: str) -> bytes:
+def policy_weights(kind: str, **changes: object) -> bytes:
     """The packed ``weights`` message of a real network of :data:`POLICIES` whose every parameter and buffer
     is set from a formula (no random init): what a worker rebuilds its policy from. ``obs_norm.var`` has one
-    tiny element, so the normaliser's epsilon shows in what it computes."""
+    tiny element, so the normaliser's epsilon shows in what it computes. ``changes``: PolicyConfig fields
+    that differ from the golden architecture (for tests of header fields the golden files leave out)."""
     from zclaw.policy.networks import OptionPolicy, PolicyConfig
     from zclaw.policy.weights import weights_message
 
-    model = OptionPolicy(PolicyConfig(obs_dim=10, act_dim=2, **POLICIES[kind]))
+    model = OptionPolicy(PolicyConfig(obs_dim=10, act_dim=2, **{**POLICIES[kind], **changes}))
     arrays = {}
     for i, (name, value) in enumerate(model.state_dict().items()):
         x = 0.5 * np.sin(np.arange(value.numel()) * 0.7 + i)

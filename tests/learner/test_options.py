@@ -649,3 +649,26 @@ def test_residual_options_share_a_policy_that_every_step_trains() -> None:
     old = {k: v for k, v in cfg.to_dict().items() if k != "option_residual"}  # written before the key existed
     assert PolicyConfig.from_dict(old).option_residual is False
     assert make_model(spec, hidden=[8], options=1, option_residual=True).cfg.option_residual is False  # K = 1
+
+
+def test_option_share_weighs_the_shared_head_and_travels_with_the_weights() -> None:
+    """option_share s: mu_o = (1 - s) m_o + s mu and log sigma_o likewise; the even average (0.5) is what the
+    header's absence means, any other s is written, and a share outside (0, 1) names the key."""
+    torch.manual_seed(0)
+    spec = spec_of(3, 2)
+    x = torch.randn(16, 3)
+    model = make_model(spec, hidden=[8], options=3, option_share=0.75)
+    with torch.no_grad():
+        model.shared_log_std.fill_(-1.0)
+        model.log_std.copy_(torch.tensor([[0.0, 1.0], [2.0, 3.0], [4.0, 5.0]]))
+    heads = model.actor(x).reshape(16, 4, 2)
+    torch.testing.assert_close(model.action_mean(x), 0.25 * heads[:, :3] + 0.75 * heads[:, 3:])
+    torch.testing.assert_close(model.option_log_std(), 0.25 * model.log_std - 0.75)
+    d = model.cfg.to_dict()
+    assert d["option_share"] == 0.75 and PolicyConfig.from_dict(d) == model.cfg
+    even = make_model(spec, hidden=[8], options=3).cfg
+    assert even.option_share == 0.5 and "option_share" not in even.to_dict()
+    assert PolicyConfig.from_dict(even.to_dict()) == even
+    for bad in (0.0, 1.0):
+        with pytest.raises(ValueError, match="option_share"):
+            PolicyConfig(obs_dim=3, act_dim=2, options=3, option_residual=True, option_share=bad)

@@ -123,6 +123,7 @@ class Policy:
         self.w = {k: np.asarray(v, np.float64) for k, v in arrays.items()}
         self.K, self.A = self.p["options"], self.p["act_dim"]
         self.residual = self.K > 1 and self.p["option_residual"]
+        self.share = self.p.get("option_share", 0.5)  # headers from before the key: the even average
 
     def net(self, name: str, x: np.ndarray) -> np.ndarray:
         layers = len(self.p["hidden"])
@@ -143,8 +144,9 @@ class Policy:
         """Means [N, K, A] and log standard deviations [K, A] of the K intra-option Gaussians."""
         heads = self.net("actor", x).reshape(len(x), self.K + self.residual, self.A)
         if self.residual:
-            shared = self.w["shared_log_std"]
-            return 0.5 * (heads[:, :self.K] + heads[:, self.K:]), 0.5 * (self.w["log_std"] + shared)
+            s, shared = self.share, self.w["shared_log_std"]
+            return ((1 - s) * heads[:, :self.K] + s * heads[:, self.K:],
+                    (1 - s) * self.w["log_std"] + s * shared)
         return heads, self.w["log_std"]
 
     def master(self, x: np.ndarray) -> np.ndarray:

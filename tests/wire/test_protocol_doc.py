@@ -137,12 +137,30 @@ def test_the_docs_worked_example_is_what_zclaw_and_a_real_reacher_compute() -> N
 @pytest.mark.parametrize("kind", sorted(golden.POLICIES))
 @torch.no_grad()
 def test_the_policy_map_rebuilt_in_numpy_computes_what_zclaws_network_does(kind: str) -> None:
-    from zclaw.policy.weights import model_from_weights
-
     frames = load_golden(kind)
     assert golden.messages()[kind] == frames, "today's learner no longer encodes these weights so"
-    header, arrays = stranger.decode(frames)
+    header, _ = stranger.decode(frames)
     assert header["kind"] == "weights" and header["policy"]["options"] == golden.POLICIES[kind]["options"]
+    assert "option_share" not in header["policy"]  # the even average is the value its absence means
+    _check_policy_map(frames)
+
+
+@torch.no_grad()
+def test_a_policy_with_an_option_share_is_evaluated_as_the_map_says() -> None:
+    """``option_share`` (not 0.5) travels in the header and the map's weighted average is what zclaw's
+    network computes."""
+    frames = [golden.policy_weights("weights_k3", option_share=0.8)]
+    header, _ = stranger.decode(frames)
+    assert header["policy"]["option_share"] == 0.8
+    _check_policy_map(frames)
+
+
+def _check_policy_map(frames: List[bytes]) -> None:
+    """The numpy evaluation of docs/protocol.md ("The policy map") against the worker's own rebuild of a
+    weights message: normalisation, means, log sigmas, log-probs, pi_Omega, beta, call-and-return."""
+    from zclaw.policy.weights import model_from_weights
+
+    header, arrays = stranger.decode(frames)
     policy = stranger.Policy(header, arrays)
     model = model_from_weights(parse(frames)).double()  # the worker's own rebuild, in float64 to compare
 

@@ -17,11 +17,13 @@ behaviour log-prob here, pi_hat below, the learner's option-level losses and ent
 (:meth:`OptionPolicy.log_master`). eps = 0 is the plain softmax; the deterministic choice is its argmax
 either way (the mixture is monotone in the softmax).
 
-With ``PolicyConfig.option_residual`` (K > 1) the intra-option Gaussians share half their parameters:
-``mu_o(s) = (mu(s) + m_o(s)) / 2`` and ``log sigma_o = (log sigma + l_o) / 2``, the shared head being a
-(K+1)-th output of ``actor`` and ``shared_log_std``. Every step trains the shared half, so an option the
-master seldom picks still acts about as well as the others; without it the first option ahead takes all
-the data and the rest are abandoned untrained (docs/learning.md, "When one option takes all the usage").
+With ``PolicyConfig.option_residual`` (K > 1) the intra-option Gaussians share part of their parameters:
+``mu_o(s) = s mu(s) + (1 - s) m_o(s)`` and ``log sigma_o = s log sigma + (1 - s) l_o``, the shared head
+being a (K+1)-th output of ``actor`` and ``shared_log_std``, ``s = PolicyConfig.option_share`` (0.5: the
+even average). Every step trains the shared part, so an option the master seldom picks still acts about
+as well as the others; without it the first option ahead takes all the data and the rest are abandoned
+untrained (docs/learning.md, "When one option takes all the usage"). The larger s, the more of each
+option's controller learns from every step and the less an option can differ from the others.
 
 Call-and-return execution (Sutton, Precup & Singh 1999), as :meth:`OptionPolicy.act` runs it:
 at an episode start pick o ~ pi_Omega(.|s); otherwise keep o_prev unless its termination
@@ -76,29 +78,42 @@ class PolicyConfig:
     option_epsilon: float = 0.0
     # K > 1: intra-option policies as one shared Gaussian plus a residual per option (module docstring)
     option_residual: bool = False
+    # with option_residual: the shared head's weight s in mu_o = s mu + (1 - s) m_o (module docstring)
+    option_share: float = 0.5
 
     def __post_init__(self) -> None:
         if not 0.0 <= float(self.option_epsilon) < 1.0:
             raise ValueError(f"option_epsilon = {self.option_epsilon!r} is not allowed: "
                              "expected 0 <= eps < 1")
+        if not 0.0 < float(self.option_share) < 1.0:
+            raise ValueError(f"option_share = {self.option_share!r} is not allowed: expected 0 < s < 1")
 
     def to_dict(self) -> Dict[str, Any]:
-        return {
+        """The ``policy`` header of a weights message (docs/protocol.md, "The policy map").
+
+        ``option_share`` is written only when it is not 0.5, the value its absence means: a network with
+        the even average stays readable by workers from before the key, and one they cannot evaluate
+        carries a key they refuse instead of being acted on with the wrong means."""
+        d = {
             "obs_dim": self.obs_dim, "act_dim": self.act_dim, "hidden": list(self.hidden),
             "activation": self.activation, "options": self.options, "init_log_std": self.init_log_std,
             "normalize_obs": self.normalize_obs, "obs_clip": self.obs_clip,
             "option_epsilon": self.option_epsilon, "option_residual": self.option_residual,
         }
+        if float(self.option_share) != 0.5:
+            d["option_share"] = float(self.option_share)
+        return d
 
     @classmethod
     def from_dict(cls, d: Mapping[str, Any]) -> "PolicyConfig":
         """The inverse of :meth:`to_dict`; dicts written before ``option_epsilon`` existed (old checkpoints
         and weights headers) mean a plain softmax master, eps = 0; without ``option_residual``, independent
-        option heads."""
+        option heads; without ``option_share``, the even average (s = 0.5) residual options had before it."""
         d = dict(d)
         d["hidden"] = tuple(d["hidden"])
         d["option_epsilon"] = float(d.get("option_epsilon", 0.0))
         d["option_residual"] = bool(d.get("option_residual", False))
+        d["option_share"] = float(d.get("option_share", 0.5))
         return cls(**d)
 
 
@@ -112,6 +127,7 @@ class OptionPolicy(nn.Module):
         self.K, self.A = K, A
         self.obs_norm = RunningNorm((cfg.obs_dim,), clip=cfg.obs_clip, enabled=cfg.normalize_obs)
         self.residual = K > 1 and bool(cfg.option_residual)
+        self.share = float(cfg.option_share)  # the shared head's weight, with residual options
         # the intra-option means (plus, with residual options, the shared mean as a (K+1)-th head)
         self.actor = mlp([cfg.obs_dim] + H + [(K + self.residual) * A], cfg.activation, out_gain=0.01)
         # per-option log std; with residual options the option's half of the mean with ``shared_log_std``
@@ -127,21 +143,24 @@ class OptionPolicy(nn.Module):
 
     # -- heads on normalised observations ------------------------------------------------------
     def action_mean(self, x: torch.Tensor) -> torch.Tensor:
-        """Intra-option means [.., K, A]: ``mu_o(s)``, or with residual options the average of the shared
-        head and the option's own, ``(mu(s) + m_o(s)) / 2``.
+        """Intra-option means [.., K, A]: ``mu_o(s)``, or with residual options the weighted average of the
+        shared head and the option's own, ``s mu(s) + (1 - s) m_o(s)``.
 
-        The average, not the sum: Adam moves every parameter by about the learning rate whatever its
-        gradient, so a sum of two heads would move an option's mean twice as fast as a single head
-        does; the average keeps K > 1 at K = 1's effective step size.
+        An average (weights summing to one), not the sum: Adam moves every parameter by about the
+        learning rate whatever its gradient, so a sum of two heads would move an option's mean twice as
+        fast as a single head does; the average keeps K > 1 at K = 1's effective step size.
         """
         if not self.residual:
             return self.actor(x).reshape(x.shape[:-1] + (self.K, self.A))
         heads = self.actor(x).reshape(x.shape[:-1] + (self.K + 1, self.A))
-        return 0.5 * (heads[..., : self.K, :] + heads[..., self.K :, :])
+        s = self.share
+        return (1 - s) * heads[..., : self.K, :] + s * heads[..., self.K :, :]
 
     def option_log_std(self) -> torch.Tensor:
-        """Intra-option log standard deviations [K, A]: ``log sigma_o``, or ``(log sigma + l_o) / 2``."""
-        return 0.5 * (self.log_std + self.shared_log_std) if self.residual else self.log_std
+        """Intra-option log standard deviations [K, A]: ``log sigma_o``, or ``s log sigma + (1 - s) l_o``."""
+        if not self.residual:
+            return self.log_std
+        return (1 - self.share) * self.log_std + self.share * self.shared_log_std
 
     def q(self, x: torch.Tensor) -> torch.Tensor:
         return self.critic(x)

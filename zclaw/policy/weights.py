@@ -33,6 +33,7 @@ def policy_config(policy_section: Mapping[str, Any], spec: EnvSpec) -> PolicyCon
         obs_clip=float(policy_section["obs_clip"]),
         option_epsilon=float(policy_section.get("option_epsilon", 0.0)) if options > 1 else 0.0,
         option_residual=bool(policy_section.get("option_residual", False)) and options > 1,
+        option_share=float(policy_section.get("option_share", 0.5)),
     )
 
 
