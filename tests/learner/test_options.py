@@ -669,6 +669,8 @@ def test_option_share_weighs_the_shared_head_and_travels_with_the_weights() -> N
     even = make_model(spec, hidden=[8], options=3).cfg
     assert even.option_share == 0.5 and "option_share" not in even.to_dict()
     assert PolicyConfig.from_dict(even.to_dict()) == even
+    for flat in (dict(options=1), dict(options=3, option_residual=False)):  # no shared head: s means nothing
+        assert make_model(spec, hidden=[8], option_share=0.75, **flat).cfg.option_share == 0.5
     for bad in (0.0, 1.0):
         with pytest.raises(ValueError, match="option_share"):
             PolicyConfig(obs_dim=3, act_dim=2, options=3, option_residual=True, option_share=bad)

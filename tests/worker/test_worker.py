@@ -2,6 +2,7 @@
 (PUB + ROUTER answering ``snapshot``), so everything the worker does crosses TCP exactly as in a run."""
 from __future__ import annotations
 
+import threading
 import time
 from typing import Any
 
@@ -14,7 +15,7 @@ import torch
 import zmq
 
 from zclaw.envs import make_env
-from zclaw.wire import WireError, bind, make_socket, parse, segment_dims
+from zclaw.wire import WireError, bind, make, make_socket, parse, segment_dims
 from zclaw.wire.messages import EnvSpec
 
 ENV = "gym:Reacher-v5"
@@ -317,3 +318,44 @@ def test_a_segment_that_ends_more_episodes_than_the_wire_carries_reports_the_new
     too_many = Segment("w0-host-1", 1, spec.hash, arrays, episodes + episodes[:1])
     with pytest.raises(WireError, match="episodes"):  # what the broker would have dropped
         parse(too_many.frames(), ("segment",))
+
+
+def test_a_weights_header_no_network_fits_is_dropped_and_the_acting_policy_stays(spec: EnvSpec) -> None:
+    """A ``weights`` message whose policy header names no network (``option_share`` 2, a string width) is
+    dropped and counted as bad_weights; the worker keeps acting with the copy it has, and the next good
+    message still loads."""
+    import structlog
+
+    from zclaw import config
+    from zclaw.policy.weights import weights_message
+    from zclaw.worker import worker as worker_mod
+
+    cfg = config.load(values={"run.env": "gym:Reacher-v5", "worker.envs": 2, "worker.segment_length": 8})
+    ctx = zmq.Context()
+    pull = make_socket(ctx, zmq.PULL)
+    cfg["network"]["ingest_port"] = bind(pull, "127.0.0.1", 0)
+    env = make_env("gym:Reacher-v5", 2, 0, torch.device("cpu"))
+    learner = StandInLearner(ctx, env.spec, version=3)
+    net = cfg["network"]
+    net["publish_port"], net["learner_port"] = learner.pub_port, learner.router_port
+    net["serve_port"] = learner.router_port
+    cpu = torch.device("cpu")
+    w = worker_mod.Worker(cfg, structlog.get_logger(), 0, env, cpu, threading.Event(), ctx=ctx)
+    try:
+        assert w.wait_for_weights()
+        acting, version = w.model, w.version
+        good = parse([weights_message(learner.model, 4, 0, env.spec.hash)])
+        for change in ({"option_share": 2.0}, {"hidden": ["wide"]}):
+            bad = parse(make("weights", good.arrays, version=5, step=0, spec_hash=env.spec.hash,
+                             policy={**good["policy"], **change}))
+            assert w.apply(bad) is False
+            assert w.model is acting and w.version == version
+        assert w.weights.drops.counts["bad_weights"] == 2
+        assert w.apply(good) is True and w.model is acting and w.version == 4
+        assert w.run(max_segments=1) == 1  # and it acts on
+    finally:
+        w.close()
+        learner.close()
+        env.close()
+        pull.close(0)
+        ctx.term()

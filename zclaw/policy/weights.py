@@ -19,9 +19,11 @@ def policy_config(policy_section: Mapping[str, Any], spec: EnvSpec) -> PolicyCon
     """The architecture from the run config's ``[policy]`` section and the env spec.
 
     ``option_epsilon`` is stored as 0 for K = 1, where the master is inert and it means nothing: a flat
-    run's architecture does not depend on it (and matches checkpoints written before it existed).
+    run's architecture does not depend on it (and matches checkpoints written before it existed); likewise
+    ``option_share`` is stored as 0.5 (and so left out of the weights header) unless options are residual.
     """
     options = int(policy_section["options"])
+    residual = bool(policy_section.get("option_residual", False)) and options > 1
     return PolicyConfig(
         obs_dim=int(np.prod(spec.obs_shape)),
         act_dim=int(np.prod(spec.action_shape)),
@@ -32,8 +34,8 @@ def policy_config(policy_section: Mapping[str, Any], spec: EnvSpec) -> PolicyCon
         normalize_obs=bool(policy_section["normalize_obs"]),
         obs_clip=float(policy_section["obs_clip"]),
         option_epsilon=float(policy_section.get("option_epsilon", 0.0)) if options > 1 else 0.0,
-        option_residual=bool(policy_section.get("option_residual", False)) and options > 1,
-        option_share=float(policy_section.get("option_share", 0.5)),
+        option_residual=residual,
+        option_share=float(policy_section.get("option_share", 0.5)) if residual else 0.5,
     )
 
 
@@ -53,8 +55,8 @@ def weights_message(
 
 def model_from_weights(msg: Message) -> OptionPolicy:
     """Build a network from a ``weights`` message and load it (workers do this on join)."""
+    cfg = header_config(msg)
     try:
-        cfg = PolicyConfig.from_dict(msg["policy"])
         model = OptionPolicy(cfg)
     except (TypeError, KeyError, ValueError) as exc:
         raise WireError("bad_weights", f"cannot build the network from the weights header ({exc})") from None
@@ -62,9 +64,19 @@ def model_from_weights(msg: Message) -> OptionPolicy:
     return model
 
 
+def header_config(msg: Message) -> PolicyConfig:
+    """The architecture a ``weights`` message's ``policy`` header names; a header that is not one (a missing
+    key, a wrong type, a value out of range such as ``option_share`` 2) is :class:`WireError` ``bad_weights``,
+    so a worker drops and counts it instead of failing."""
+    try:
+        return PolicyConfig.from_dict(msg["policy"])
+    except (TypeError, KeyError, ValueError, AttributeError) as exc:
+        raise WireError("bad_weights", f"cannot build the network from the weights header ({exc})") from None
+
+
 def load_weights(model: OptionPolicy, msg: Message) -> None:
     """Load a ``weights`` message into ``model``; raise :class:`WireError` if it does not fit."""
-    if PolicyConfig.from_dict(msg["policy"]) != model.cfg:
+    if header_config(msg) != model.cfg:
         raise WireError("bad_weights", "weights are for a different architecture")
     try:
         model.load_weight_arrays(msg.arrays)

@@ -35,7 +35,7 @@ from .. import logs
 from ..core import BatchedEnv
 from ..envs import make_env
 from ..policy.networks import OptionPolicy
-from ..policy.weights import load_weights, model_from_weights
+from ..policy.weights import header_config, load_weights, model_from_weights
 from ..telemetry import EpisodeWindow, ResourceMeter, cuda_index
 from ..fleet import as_shard, broker_shards, shard_of_worker
 from ..wire import DropCounter, LazyPirate, Message, Segment, WireError, make, make_socket, parse, tcp
@@ -560,14 +560,14 @@ class Worker:
 
     # -- weights -----------------------------------------------------------------------------------
     def apply(self, msg: Message) -> bool:
-        """Load ``msg`` into the policy copy (build it on first weights, or if the architecture changed)."""
+        """Load ``msg`` into the policy copy (build it on first weights, or if the architecture changed).
+
+        A message that neither fits the copy nor builds a network is dropped and counted, and the copy
+        already acting stays: one bad header does not leave the worker without a policy."""
         try:
-            if self.model is not None:
-                try:
-                    load_weights(self.model, msg)
-                except WireError:  # the learner now serves another architecture: rebuild from its header
-                    self.model = None
-            if self.model is None:
+            if self.model is not None and header_config(msg) == self.model.cfg:
+                load_weights(self.model, msg)
+            else:  # first weights, or the learner now serves another architecture: rebuild from its header
                 model = model_from_weights(msg).to(self.device)
                 model.eval()
                 self.model = model
