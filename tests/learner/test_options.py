@@ -613,9 +613,37 @@ def test_health_spread_is_a_share_of_the_action_range_and_warns_only_after_warmu
     assert not any("act alike" in w for w in off.summary(model)["warnings"])
 
 
+def test_the_act_alike_threshold_follows_the_option_share() -> None:
+    """Residual options differ by (1 - s) times their own heads' difference: the "act alike" threshold
+    (calibrated at s = 0.5) scales by 2 (1 - s), so a larger share does not make distinct own heads look
+    alike, and heads that are alike still warn."""
+    spec = spec_of(2, 1)
+    o = torch.tensor([0, 0, 1, 1]).unsqueeze(1)
+    st = torch.tensor([True, False, True, False]).unsqueeze(1)
+    pv, es, kn = Trainer.option_context(o, st, torch.zeros(4, 1, dtype=torch.bool))
+    seen = {}
+    for share, own in ((0.75, 0.06), (0.75, 0.04), (0.5, 0.06), (0.5, 0.04)):
+        model = make_model(spec, hidden=[8], options=2, option_share=share)
+        with torch.no_grad():  # own heads +-own, the shared head 0, on every state
+            model.actor[-1].weight.zero_()
+            model.actor[-1].bias.copy_(torch.tensor([own, -own, 0.0]))
+        h = OptionHealth(2, warmup_updates=0, action_low=torch.tensor([-1.0]),
+                         action_high=torch.tensor([1.0]))
+        h.update(o, st, pv, kn, es, torch.randn(5, 1, 2))
+        s = h.summary(model)
+        assert s["spread_min"] == pytest.approx(2 * own * (1 - share), rel=1e-5)
+        assert s["alike_below"] == pytest.approx(0.05 * 2 * (1 - share))
+        seen[(share, own)] = any("act alike" in w for w in s["warnings"])
+    # own heads 0.12 apart: distinct at both shares (at 0.75 the means are only 3 % apart, under the 5 %)
+    assert seen == {(0.75, 0.06): False, (0.75, 0.04): True, (0.5, 0.06): False, (0.5, 0.04): True}
+    flat = make_model(spec, hidden=[8], options=2, option_residual=False)
+    assert OptionHealth(2).alike_threshold(flat) == 0.05  # independent heads: the threshold as configured
+
+
 def test_residual_options_share_a_policy_that_every_step_trains() -> None:
-    """option_residual: mu_o = (mu + m_o) / 2 and log sigma_o = (log sigma + l_o) / 2; a step trained only on
-    option 0's samples moves option 1's mean too (through the shared head), unlike independent heads."""
+    """option_residual: mu_o = s mu + (1 - s) m_o and log sigma_o = s log sigma + (1 - s) l_o (s: the
+    default option_share); a step trained only on option 0's samples moves option 1's mean too (through the
+    shared head), unlike independent heads."""
     torch.manual_seed(0)
     spec = spec_of(3, 2)
     x = torch.randn(64, 3)
@@ -625,9 +653,10 @@ def test_residual_options_share_a_policy_that_every_step_trains() -> None:
         assert model.cfg.option_residual is residual and model.residual is residual
         out = model.actor(x)
         if residual:
-            heads = out.reshape(64, 5, 2)
-            torch.testing.assert_close(model.action_mean(x), 0.5 * (heads[:, :4] + heads[:, 4:]))
-            torch.testing.assert_close(model.option_log_std(), 0.5 * (model.log_std + model.shared_log_std))
+            heads, s = out.reshape(64, 5, 2), model.share
+            torch.testing.assert_close(model.action_mean(x), (1 - s) * heads[:, :4] + s * heads[:, 4:])
+            torch.testing.assert_close(model.option_log_std(),
+                                       (1 - s) * model.log_std + s * model.shared_log_std)
             torch.testing.assert_close(model.option_log_std(), torch.full((4, 2), model.cfg.init_log_std))
         else:
             torch.testing.assert_close(model.action_mean(x), out.reshape(64, 4, 2))
@@ -666,8 +695,10 @@ def test_option_share_weighs_the_shared_head_and_travels_with_the_weights() -> N
     torch.testing.assert_close(model.option_log_std(), 0.25 * model.log_std - 0.75)
     d = model.cfg.to_dict()
     assert d["option_share"] == 0.75 and PolicyConfig.from_dict(d) == model.cfg
-    even = make_model(spec, hidden=[8], options=3).cfg
+    even = make_model(spec, hidden=[8], options=3, option_share=0.5).cfg
     assert even.option_share == 0.5 and "option_share" not in even.to_dict()
+    default = make_model(spec, hidden=[8], options=3).cfg  # the config default, 0.75, travels in the header
+    assert default.option_share == 0.75 and default.to_dict()["option_share"] == 0.75
     assert PolicyConfig.from_dict(even.to_dict()) == even
     for flat in (dict(options=1), dict(options=3, option_residual=False)):  # no shared head: s means nothing
         assert make_model(spec, hidden=[8], option_share=0.75, **flat).cfg.option_share == 0.5
