@@ -12,6 +12,7 @@ rank, through a file. A rank that raises fails the call with its traceback; the 
 from __future__ import annotations
 
 import os
+import sys
 import tempfile
 import time
 from pathlib import Path
@@ -36,9 +37,15 @@ def _rank_main(rank: int, fn: Callable[..., Any], size: int, port: int, out: str
     world, device = distributed.join(distributed.world_from_env(), "cpu", timeout_s=60)
     try:
         result = fn(distributed.Sync(world, device), *args)
+        torch.save(result, os.path.join(out, f"rank{rank}.pt"))  # saved before the group is torn down
     finally:
         distributed.leave()
-    torch.save(result, os.path.join(out, f"rank{rank}.pt"))
+    # No interpreter finalisation: there the threads of rank 0's TCP store and of gloo can be destroyed still
+    # joinable, and C++ aborts the process ("terminate called without an active exception", SIGABRT after a
+    # rank had finished; seen once in CI), which would fail a rank whose work is done and saved.
+    sys.stdout.flush()
+    sys.stderr.flush()
+    os._exit(0)
 
 
 def run_ranks(fn: Callable[..., Any], size: int, *args: Any, timeout: float = 180.0) -> List[Any]:
