@@ -127,12 +127,13 @@ class OptionHealth:
         threshold (calibrated at s = 0.5) shrinks with it, and the warning still asks whether the own heads
         learned different behaviours (Pusher-v5 at s = 0.75: closest pair 4.3 % of the range, own heads as
         far apart as 8.6 % would be at the even share)."""
-        if not getattr(model, "residual", False):
+        if not model.residual:
             return self.identical_spread
-        return self.identical_spread * 2.0 * (1.0 - float(model.share))
+        return self.identical_spread * 2.0 * (1.0 - model.share)
 
     def warnings(self, s: Dict[str, Any]) -> List[str]:
-        """The known failure modes, as text a user can act on (nothing for K = 1 or before any data)."""
+        """The known failure modes, as text a user can act on (nothing for K = 1 or before any data); ``s``
+        is the :meth:`summary` being built (its figures and ``alike_below``)."""
         if self.K == 1 or float(self.steps.sum()) <= 0:
             return []
         w: List[str] = []
@@ -148,7 +149,7 @@ class OptionHealth:
                      "policy.option_epsilon or learner.master_ent_coef; if the others last ~1 step, they are "
                      "dropped at once: see docs/learning.md)")
         sp = s.get("spread_min")
-        below = s.get("alike_below", self.identical_spread)
+        below = s["alike_below"]
         if sp is not None and self.updates >= self.warmup_updates and sp < below:
             w.append(f"options act alike: two options' action means differ by {sp:.1%} of the action "
                      f"range (< {below:.1%}) after {self.updates} updates; the hierarchy "

@@ -22,9 +22,9 @@ With ``PolicyConfig.option_residual`` (K > 1) the intra-option Gaussians share p
 being a (K+1)-th output of ``actor`` and ``shared_log_std``, ``s = PolicyConfig.option_share`` (0.75 in
 the default config; 0.5, the even average, where a header leaves it out). Every step trains the shared
 part, so an option the master seldom picks still acts about as well as the others; without it the first
-option ahead takes all the data and the rest are abandoned
-untrained (docs/learning.md, "When one option takes all the usage"). The larger s, the more of each
-option's controller learns from every step and the less an option can differ from the others.
+option ahead takes all the data and the rest are abandoned untrained (docs/learning.md, "When one option
+takes all the usage"). The larger s, the more of each option's controller learns from every step and the
+less an option can differ from the others.
 
 Call-and-return execution (Sutton, Precup & Singh 1999), as :meth:`OptionPolicy.act` runs it:
 at an episode start pick o ~ pi_Omega(.|s); otherwise keep o_prev unless its termination
