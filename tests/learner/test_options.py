@@ -5,7 +5,7 @@ from __future__ import annotations
 import copy
 import math
 from dataclasses import replace
-from typing import Dict
+from typing import Callable, Dict, Tuple
 
 import numpy as np
 import pytest
@@ -640,6 +640,19 @@ def test_the_act_alike_threshold_follows_the_option_share() -> None:
     assert OptionHealth(2).alike_threshold(flat) == 0.05  # independent heads: the threshold as configured
 
 
+def step_on_option_0(head: Callable[[], torch.Tensor], target: torch.Tensor,
+                     opt: torch.optim.Optimizer) -> Tuple[float, float]:
+    """One optimiser step on a squared error of option 0's output only (``head()``: [N, K, ...]); how far
+    options 0 and 1 moved (max |change|)."""
+    before = head().detach().clone()
+    loss = ((head()[:, 0] - target) ** 2).mean()
+    opt.zero_grad()
+    loss.backward()
+    opt.step()
+    after = head().detach()
+    return float((after[:, 0] - before[:, 0]).abs().max()), float((after[:, 1] - before[:, 1]).abs().max())
+
+
 def test_residual_options_share_a_policy_that_every_step_trains() -> None:
     """option_residual: mu_o = s mu + (1 - s) m_o and log sigma_o = s log sigma + (1 - s) l_o (s: the
     default option_share); a step trained only on option 0's samples moves option 1's mean too (through the
@@ -660,16 +673,9 @@ def test_residual_options_share_a_policy_that_every_step_trains() -> None:
             torch.testing.assert_close(model.option_log_std(), torch.full((4, 2), model.cfg.init_log_std))
         else:
             torch.testing.assert_close(model.action_mean(x), out.reshape(64, 4, 2))
-        before = model.action_mean(x).detach().clone()
-        opt = torch.optim.SGD(model.parameters(), lr=0.1)
-        target = torch.ones(64, 2)
-        loss = ((model.option_mean(x, torch.zeros(64, dtype=torch.long)) - target) ** 2).mean()
-        opt.zero_grad()
-        loss.backward()
-        opt.step()
-        after = model.action_mean(x).detach()
-        moved[residual] = float((after[:, 1] - before[:, 1]).abs().max())
-        assert float((after[:, 0] - before[:, 0]).abs().max()) > 1e-3  # the trained option moved
+        trained, moved[residual] = step_on_option_0(lambda: model.action_mean(x), torch.ones(64, 2),
+                                                    torch.optim.SGD(model.parameters(), lr=0.1))
+        assert trained > 1e-3  # the trained option moved
     assert moved[True] > 1e-3  # option 1 learned from option 0's samples
     # (independent heads share only the body, and its change barely moves a 0.01-gain head)
     assert moved[True] > 10 * moved[False]
@@ -678,6 +684,38 @@ def test_residual_options_share_a_policy_that_every_step_trains() -> None:
     old = {k: v for k, v in cfg.to_dict().items() if k != "option_residual"}  # written before the key existed
     assert PolicyConfig.from_dict(old).option_residual is False
     assert make_model(spec, hidden=[8], options=1, option_residual=True).cfg.option_residual is False  # K = 1
+
+
+def test_a_residual_critic_shares_a_value_that_every_step_trains() -> None:
+    """critic_residual: Q(s, o) = s V(s) + (1 - s) q_o(s), V the critic's (K+1)-th output; a value step on
+    option 0's samples only moves Q(s, 1) too (through V), about s / (1 - s) times as far as independent
+    outputs let it move; the header writes the key only when it is true (absence: K value outputs)."""
+    torch.manual_seed(0)
+    spec = spec_of(3, 2)
+    x = torch.randn(64, 3)
+    moved = {}
+    for shared in (True, False):
+        model = make_model(spec, hidden=[16], options=4, critic_residual=shared)
+        assert model.critic_residual is shared and model.cfg.critic_residual is shared
+        out = model.critic(x)
+        assert out.shape == (64, 4 + shared)
+        s = model.share
+        expect = (1 - s) * out[:, :4] + s * out[:, 4:] if shared else out
+        torch.testing.assert_close(model.q(x), expect)
+        trained, moved[shared] = step_on_option_0(lambda: model.q(x), torch.full((64,), 5.0),
+                                                  torch.optim.Adam(model.critic.parameters(), lr=1e-2))
+        assert trained > 1e-3
+    assert moved[True] > 2 * moved[False]  # option 1's value learned from option 0's samples
+    assert make_model(spec, hidden=[8], options=4).cfg.critic_residual is True  # the config default, K > 1
+    cfg = make_model(spec, hidden=[8], options=4, critic_residual=True).cfg
+    assert cfg.to_dict()["critic_residual"] is True and PolicyConfig.from_dict(cfg.to_dict()) == cfg
+    old = {k: v for k, v in cfg.to_dict().items() if k != "critic_residual"}  # written before the key existed
+    assert PolicyConfig.from_dict(old).critic_residual is False
+    independent = make_model(spec, hidden=[8], options=4, critic_residual=False).cfg
+    assert "critic_residual" not in independent.to_dict()
+    for flat in (dict(options=1), dict(options=3, option_residual=False)):  # no shared head: nothing to share
+        model = make_model(spec, hidden=[8], critic_residual=True, **flat)
+        assert model.cfg.critic_residual is False and model.critic[-1].out_features == model.K
 
 
 def test_option_share_weighs_the_shared_head_and_travels_with_the_weights() -> None:

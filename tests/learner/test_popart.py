@@ -41,11 +41,14 @@ def popart_trainer(seed: int = 0, **over) -> Trainer:
 
 
 # ---------------------------------------------------------------------------------------- preserving outputs
-@pytest.mark.parametrize("K", [1, 4])
+@pytest.mark.parametrize("K,critic_residual", [(1, False), (4, False), (4, True)])
 @pytest.mark.parametrize("dtype", [torch.float64, torch.float32])
-def test_a_statistics_update_leaves_the_critics_values_as_they_were(K: int, dtype: torch.dtype) -> None:
+def test_a_statistics_update_leaves_the_critics_values_as_they_were(K: int, critic_residual: bool,
+                                                                    dtype: torch.dtype) -> None:
+    """(A residual critic's Q averages its outputs: the same affine map on each leaves the average right.)"""
     torch.manual_seed(K)
-    model = make_model(SPEC, hidden=[16, 16], options=K).to(dtype)
+    model = make_model(SPEC, hidden=[16, 16], options=K, critic_residual=critic_residual).to(dtype)
+    assert model.critic_residual is critic_residual
     popart = PopArt(model.critic[-1], beta=0.3)
     x = torch.randn(64, 3, dtype=dtype)
     popart.fold(Moments(100.0, 5.0, 4.0))  # away from mu = 0, sigma = 1 first

@@ -115,6 +115,24 @@ def call_and_return(pi: np.ndarray, beta_prev: np.ndarray, prev: np.ndarray, sta
     return (1 - beta) * stay + beta * pi
 
 
+def array_shapes(p: Dict[str, Any]) -> Dict[str, Tuple[int, ...]]:
+    """Every array a ``weights`` message of policy header ``p`` carries, with its shape (the map's table)."""
+    D, A, K, H = p["obs_dim"], p["act_dim"], p["options"], list(p["hidden"])
+    r = int(K > 1 and p["option_residual"])
+    c = int(r == 1 and p.get("critic_residual", False))
+    shapes: Dict[str, Tuple[int, ...]] = {"obs_norm.mean": (D,), "obs_norm.var": (D,), "obs_norm.count": (),
+                                          "log_std": (K, A), "student_log_std": (A,)}
+    if r:
+        shapes["shared_log_std"] = (A,)
+    last = {"actor": (K + r) * A, "critic": K + c, "master": K, "termination": K, "student": A}
+    for net, out_last in last.items():
+        sizes = [D] + H + [out_last]
+        for i in range(len(H) + 1):
+            shapes[f"{net}.{2 * i}.weight"] = (sizes[i + 1], sizes[i])
+            shapes[f"{net}.{2 * i}.bias"] = (sizes[i + 1],)
+    return shapes
+
+
 class Policy:
     """The network of a ``weights`` message, evaluated in float64 numpy."""
 

@@ -155,12 +155,26 @@ def test_a_policy_with_an_option_share_is_evaluated_as_the_map_says() -> None:
     _check_policy_map(frames)
 
 
+@torch.no_grad()
+def test_a_residual_critic_adds_one_critic_output_and_changes_nothing_a_worker_computes() -> None:
+    """``critic_residual`` travels in the header, the critic's last layer has K + 1 outputs as the map's
+    table says, and acting is evaluated as before."""
+    frames = [golden.policy_weights("weights_k3", option_share=0.75, critic_residual=True)]
+    header, arrays = stranger.decode(frames)
+    assert header["policy"]["critic_residual"] is True
+    last = 2 * len(header["policy"]["hidden"])
+    assert arrays[f"critic.{last}.weight"].shape[0] == header["policy"]["options"] + 1
+    _check_policy_map(frames)
+
+
 def _check_policy_map(frames: List[bytes]) -> None:
     """The numpy evaluation of docs/protocol.md ("The policy map") against the worker's own rebuild of a
     weights message: normalisation, means, log sigmas, log-probs, pi_Omega, beta, call-and-return."""
     from zclaw.policy.weights import model_from_weights
 
     header, arrays = stranger.decode(frames)
+    # the map's array table: every array, no other, each of its shape
+    assert {k: tuple(v.shape) for k, v in arrays.items()} == stranger.array_shapes(header["policy"])
     policy = stranger.Policy(header, arrays)
     model = model_from_weights(parse(frames)).double()  # the worker's own rebuild, in float64 to compare
 

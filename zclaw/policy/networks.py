@@ -24,7 +24,9 @@ the default config; 0.5, the even average, where a header leaves it out). Every 
 part, so an option the master seldom picks still acts about as well as the others; without it the first
 option ahead takes all the data and the rest are abandoned untrained (docs/learning.md, "When one option
 takes all the usage"). The larger s, the more of each option's controller learns from every step and the
-less an option can differ from the others.
+less an option can differ from the others. ``PolicyConfig.critic_residual`` does the same for the option
+values, ``Q(s, o) = s V(s) + (1 - s) q_o(s)`` with the shared value V a (K+1)-th output of ``critic``: where
+options do not specialise, K independent outputs each learn Q from the steps of one option only.
 
 Call-and-return execution (Sutton, Precup & Singh 1999), as :meth:`OptionPolicy.act` runs it:
 at an episode start pick o ~ pi_Omega(.|s); otherwise keep o_prev unless its termination
@@ -81,6 +83,8 @@ class PolicyConfig:
     option_residual: bool = False
     # with option_residual: the shared head's weight s in mu_o = s mu + (1 - s) m_o (module docstring)
     option_share: float = 0.5
+    # with option_residual: Q(s, o) = s V(s) + (1 - s) q_o(s) as well (module docstring)
+    critic_residual: bool = False
 
     def __post_init__(self) -> None:
         if not 0.0 <= float(self.option_epsilon) < 1.0:
@@ -103,6 +107,8 @@ class PolicyConfig:
         }
         if float(self.option_share) != 0.5:
             d["option_share"] = float(self.option_share)
+        if self.critic_residual:
+            d["critic_residual"] = True
         return d
 
     @classmethod
@@ -115,6 +121,7 @@ class PolicyConfig:
         d["option_epsilon"] = float(d.get("option_epsilon", 0.0))
         d["option_residual"] = bool(d.get("option_residual", False))
         d["option_share"] = float(d.get("option_share", 0.5))
+        d["critic_residual"] = bool(d.get("critic_residual", False))
         return cls(**d)
 
 
@@ -129,13 +136,15 @@ class OptionPolicy(nn.Module):
         self.obs_norm = RunningNorm((cfg.obs_dim,), clip=cfg.obs_clip, enabled=cfg.normalize_obs)
         self.residual = K > 1 and bool(cfg.option_residual)
         self.share = float(cfg.option_share)  # the shared head's weight, with residual options
+        self.critic_residual = self.residual and bool(cfg.critic_residual)
         # the intra-option means (plus, with residual options, the shared mean as a (K+1)-th head)
         self.actor = mlp([cfg.obs_dim] + H + [(K + self.residual) * A], cfg.activation, out_gain=0.01)
         # per-option log std; with residual options the option's half of the mean with ``shared_log_std``
         self.log_std = nn.Parameter(torch.full((K, A), float(cfg.init_log_std)))
         if self.residual:
             self.shared_log_std = nn.Parameter(torch.full((A,), float(cfg.init_log_std)))
-        self.critic = mlp([cfg.obs_dim] + H + [K], cfg.activation, out_gain=1.0)
+        # Q(s, .), plus, with a residual critic, the shared value V(s) as a (K+1)-th output
+        self.critic = mlp([cfg.obs_dim] + H + [K + self.critic_residual], cfg.activation, out_gain=1.0)
         self.master = mlp([cfg.obs_dim] + H + [K], cfg.activation, out_gain=0.01)
         self.termination = mlp([cfg.obs_dim] + H + [K], cfg.activation, out_gain=0.01)
         # the flat student pi_S(a|s): its own body, distilled from the executing option's mean
@@ -164,7 +173,16 @@ class OptionPolicy(nn.Module):
         return (1 - self.share) * self.log_std + self.share * self.shared_log_std
 
     def q(self, x: torch.Tensor) -> torch.Tensor:
-        return self.critic(x)
+        """The option values Q(s, .) [.., K]: the critic's outputs, or with a residual critic the weighted
+        average ``s V(s) + (1 - s) q_o(s)`` of the shared value and the option's own output.
+
+        A convex combination, as for the means: PopArt rescales every output of the critic's last layer by
+        the same affine map, which an average of its outputs passes through unchanged."""
+        out = self.critic(x)
+        if not self.critic_residual:
+            return out
+        s = self.share
+        return (1 - s) * out[..., : self.K] + s * out[..., self.K :]
 
     def master_logits(self, x: torch.Tensor) -> torch.Tensor:
         """The master's raw logits z(s); the policy over options is :meth:`log_master`, not their softmax."""

@@ -36,6 +36,7 @@ def policy_config(policy_section: Mapping[str, Any], spec: EnvSpec) -> PolicyCon
         option_epsilon=float(policy_section.get("option_epsilon", 0.0)) if options > 1 else 0.0,
         option_residual=residual,
         option_share=float(policy_section.get("option_share", 0.5)) if residual else 0.5,
+        critic_residual=bool(policy_section.get("critic_residual", False)) and residual,
     )
 
 
