@@ -115,7 +115,8 @@ class PolicyConfig:
     def from_dict(cls, d: Mapping[str, Any]) -> "PolicyConfig":
         """The inverse of :meth:`to_dict`; dicts written before ``option_epsilon`` existed (old checkpoints
         and weights headers) mean a plain softmax master, eps = 0; without ``option_residual``, independent
-        option heads; without ``option_share``, the even average (s = 0.5) residual options had before it."""
+        option heads; without ``option_share``, the even average (s = 0.5) residual options had before it;
+        without ``critic_residual``, K independent value outputs."""
         d = dict(d)
         d["hidden"] = tuple(d["hidden"])
         d["option_epsilon"] = float(d.get("option_epsilon", 0.0))
