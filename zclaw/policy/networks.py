@@ -153,6 +153,11 @@ class OptionPolicy(nn.Module):
         self.student_log_std = nn.Parameter(torch.full((A,), float(cfg.init_log_std)))
 
     # -- heads on normalised observations ------------------------------------------------------
+    def with_shared(self, own: torch.Tensor, shared: torch.Tensor) -> torch.Tensor:
+        """``(1 - s) own + s shared``, s = ``option_share``: how residual options mix an option's own part
+        with the shared one (means, log stds and, with a residual critic, values)."""
+        return (1 - self.share) * own + self.share * shared
+
     def action_mean(self, x: torch.Tensor) -> torch.Tensor:
         """Intra-option means [.., K, A]: ``mu_o(s)``, or with residual options the weighted average of the
         shared head and the option's own, ``s mu(s) + (1 - s) m_o(s)``.
@@ -164,14 +169,13 @@ class OptionPolicy(nn.Module):
         if not self.residual:
             return self.actor(x).reshape(x.shape[:-1] + (self.K, self.A))
         heads = self.actor(x).reshape(x.shape[:-1] + (self.K + 1, self.A))
-        s = self.share
-        return (1 - s) * heads[..., : self.K, :] + s * heads[..., self.K :, :]
+        return self.with_shared(heads[..., : self.K, :], heads[..., self.K :, :])
 
     def option_log_std(self) -> torch.Tensor:
         """Intra-option log standard deviations [K, A]: ``log sigma_o``, or ``s log sigma + (1 - s) l_o``."""
         if not self.residual:
             return self.log_std
-        return (1 - self.share) * self.log_std + self.share * self.shared_log_std
+        return self.with_shared(self.log_std, self.shared_log_std)
 
     def q(self, x: torch.Tensor) -> torch.Tensor:
         """The option values Q(s, .) [.., K]: the critic's outputs, or with a residual critic the weighted
@@ -182,8 +186,7 @@ class OptionPolicy(nn.Module):
         out = self.critic(x)
         if not self.critic_residual:
             return out
-        s = self.share
-        return (1 - s) * out[..., : self.K] + s * out[..., self.K :]
+        return self.with_shared(out[..., : self.K], out[..., self.K :])
 
     def master_logits(self, x: torch.Tensor) -> torch.Tensor:
         """The master's raw logits z(s); the policy over options is :meth:`log_master`, not their softmax."""

@@ -20,7 +20,8 @@ def policy_config(policy_section: Mapping[str, Any], spec: EnvSpec) -> PolicyCon
 
     ``option_epsilon`` is stored as 0 for K = 1, where the master is inert and it means nothing: a flat
     run's architecture does not depend on it (and matches checkpoints written before it existed); likewise
-    ``option_share`` is stored as 0.5 (and so left out of the weights header) unless options are residual.
+    ``option_share`` is stored as 0.5 (and so left out of the weights header) unless options are residual,
+    and ``critic_residual`` as false.
     """
     options = int(policy_section["options"])
     residual = bool(policy_section.get("option_residual", False)) and options > 1
