@@ -73,7 +73,8 @@ def test_sigkill_worker_learner_and_broker_then_restart_and_the_run_goes_on(role
     assert acting["version"] >= joined_at, "a restarted worker acts on the current weights"
 
     # -- the learner is SIGKILLed: workers go on with the last weights, the broker keeps storing, bounded ---
-    before = roles.learner.report()
+    # a checkpoint must exist to resume from: a fast machine reaches this point before the first one (2 s)
+    before = roles.wait(roles.learner, lambda r: bool(r.get("last_checkpoint")), timeout=30)
     kill(learner)
     on_disk = ckpt.load(run / "checkpoints")["version"]  # the last checkpoint written before the kill
     stored = roles.broker.report()["inserted_segments"]
