@@ -37,7 +37,7 @@ pi_hat(o|s, o_prev) = (1 - beta)[o = o_prev] + beta pi_Omega(o|s) (DAC, Zhang & 
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Any, Dict, List, Mapping, Sequence
+from typing import Any, Dict, List, Mapping, Optional, Sequence
 
 import math
 import numpy as np
@@ -46,6 +46,7 @@ from torch import nn
 
 from .losses import epsilon_soft_log_probs, epsilon_soft_probs
 from .normalizer import RunningNorm
+from .stacked import StackedMLPs, sample_index
 
 _ACTIVATIONS = {"tanh": nn.Tanh, "relu": nn.ReLU, "elu": nn.ELU}
 
@@ -151,6 +152,8 @@ class OptionPolicy(nn.Module):
         # the flat student pi_S(a|s): its own body, distilled from the executing option's mean
         self.student = mlp([cfg.obs_dim] + H + [A], cfg.activation, out_gain=0.01)
         self.student_log_std = nn.Parameter(torch.full((A,), float(cfg.init_log_std)))
+        # act()'s actor, master and termination as one network (K > 1; built on first use, stacked.py)
+        self._acting_heads: Optional[StackedMLPs] = None
 
     # -- heads on normalised observations ------------------------------------------------------
     def with_shared(self, own: torch.Tensor, shared: torch.Tensor) -> torch.Tensor:
@@ -166,9 +169,13 @@ class OptionPolicy(nn.Module):
         learning rate whatever its gradient, so a sum of two heads would move an option's mean twice as
         fast as a single head does; the average keeps K > 1 at K = 1's effective step size.
         """
+        return self.means_of(self.actor(x))
+
+    def means_of(self, actor_out: torch.Tensor) -> torch.Tensor:
+        """:meth:`action_mean` from the actor's raw output [.., (K + residual) * A]."""
         if not self.residual:
-            return self.actor(x).reshape(x.shape[:-1] + (self.K, self.A))
-        heads = self.actor(x).reshape(x.shape[:-1] + (self.K + 1, self.A))
+            return actor_out.reshape(actor_out.shape[:-1] + (self.K, self.A))
+        heads = actor_out.reshape(actor_out.shape[:-1] + (self.K + 1, self.A))
         return self.with_shared(heads[..., : self.K, :], heads[..., self.K :, :])
 
     def option_log_std(self) -> torch.Tensor:
@@ -243,8 +250,12 @@ class OptionPolicy(nn.Module):
 
     def option_mean(self, x: torch.Tensor, option: torch.Tensor) -> torch.Tensor:
         """The mean action [.., A] of the given option (one per row)."""
+        return self.mean_of_option(self.action_mean(x), option)
+
+    def mean_of_option(self, means: torch.Tensor, option: torch.Tensor) -> torch.Tensor:
+        """Row ``i``'s mean [.., A] of option ``option[i]`` from every option's means [.., K, A]."""
         idx = option.reshape(option.shape + (1, 1)).expand(option.shape + (1, self.A))
-        return self.action_mean(x).gather(-2, idx).squeeze(-2)
+        return means.gather(-2, idx).squeeze(-2)
 
     # -- acting ------------------------------------------------------------------------------------
     @torch.no_grad()
@@ -267,20 +278,25 @@ class OptionPolicy(nn.Module):
             option = torch.zeros(n, dtype=torch.long, device=obs.device)
             logp_option = torch.zeros(n, device=obs.device)
             option_start = episode_start.clone()
+            means = self.action_mean(x)
         else:
+            if self._acting_heads is None:
+                self._acting_heads = StackedMLPs([self.actor, self.master, self.termination])
+            actor_out, master_logits, termination_logits = self._acting_heads(x)  # one pass for the three
+            means = self.means_of(actor_out)
             prev = prev_option.clamp(0, self.K - 1)
-            log_master = self.log_master(x)
-            beta = self.beta(x).gather(-1, prev.unsqueeze(-1)).squeeze(-1)
+            log_master = epsilon_soft_log_probs(master_logits, float(self.cfg.option_epsilon))
+            beta = torch.sigmoid(termination_logits.gather(-1, prev.unsqueeze(-1)).squeeze(-1))
             if deterministic:
                 fired, picked = beta > 0.5, log_master.argmax(-1)
             else:
                 fired = torch.rand_like(beta) < beta
-                picked = torch.distributions.Categorical(logits=log_master).sample()
+                picked = sample_index(log_master.exp())
             option_start = episode_start | fired
             option = torch.where(option_start, picked, prev)
-            logits = self.mix_call_and_return(log_master, beta, prev, episode_start)  # no second MLP pass
+            logits = self.mix_call_and_return(log_master, beta, prev, episode_start)
             logp_option = logits.gather(-1, option.unsqueeze(-1)).squeeze(-1)
-        mean = self.option_mean(x, option)
+        mean = self.mean_of_option(means, option)
         log_std = self.option_log_std()[option]
         action = mean if deterministic else mean + torch.randn_like(mean) * log_std.exp()
         return {
