@@ -259,6 +259,10 @@ SCHEMA: Dict[str, Dict[str, Key]] = {
                                       "1/2 (logit beta_o(s) - logit beta_0)^2 (dac and ppoc); keeps one "
                                       "option from never terminating while the others hand "
                                       "over at once; 0: off", min=0),
+        "option_pull_coef": Key(0.0, "K > 1 with residual options: coefficient of 1/K sum_o KL(option o's "
+                                "own Gaussian || the shared one), the shared head held fixed, so each "
+                                "option's own head departs from the shared one only where its advantage pays "
+                                "(Distral); 0: off", min=0),
         "xi": Key(0.01, "ppoc: termination regulariser added to Q(s', o) - V(s') (favours longer options)"),
         "deliberation_cost": Key(0.0, "reward subtracted at every option switch that is not an episode start "
                                  "(Harb et al. 2018; K > 1)", min=0),

@@ -743,3 +743,65 @@ def test_option_share_weighs_the_shared_head_and_travels_with_the_weights() -> N
     for bad in (0.0, 1.0):
         with pytest.raises(ValueError, match="option_share"):
             PolicyConfig(obs_dim=3, act_dim=2, options=3, option_residual=True, option_share=bad)
+
+
+def test_the_option_pull_is_each_own_gaussians_kl_to_the_shared_one() -> None:
+    torch.manual_seed(3)
+    own_mean, shared_mean = torch.randn(32, 4, 2), torch.randn(32, 1, 2)
+    own_log_std, shared_log_std = torch.randn(4, 2) * 0.3 - 1.0, torch.tensor([-0.5, -1.5])
+    want = torch.distributions.kl_divergence(
+        torch.distributions.Normal(own_mean, own_log_std.exp()),
+        torch.distributions.Normal(shared_mean.expand(32, 4, 2), shared_log_std.exp())).sum(-1).mean(-1)
+    got = losses.option_pull_loss(own_mean, own_log_std, shared_mean, shared_log_std)
+    torch.testing.assert_close(got, want)
+    same = losses.option_pull_loss(shared_mean.expand(32, 4, 2), shared_log_std.expand(4, 2), shared_mean,
+                                   shared_log_std)
+    torch.testing.assert_close(same, torch.zeros(32))  # options equal to the shared head: no pull
+
+
+def test_the_option_pull_moves_only_the_options_own_heads_toward_the_shared_one() -> None:
+    """learner.option_pull_coef: its gradient reaches the options' own output rows and log stds, never the
+    shared head, the shared log std or the actor body; trained with it, the own heads close in on the
+    shared one where without it they do not."""
+    spec = spec_of(1, 1)
+    rng = np.random.default_rng(4)
+
+    def fresh() -> OptionPolicy:
+        torch.manual_seed(4)
+        model = make_model(spec, hidden=[16], options=4)
+        with torch.no_grad():  # own heads far from the shared one
+            model.actor[-1].weight.normal_(0.0, 0.5)
+            model.actor[-1].bias.normal_(0.0, 0.5)
+            model.log_std.add_(torch.randn(4, 1) * 0.3)
+        return model
+
+    def pull(model: OptionPolicy, x: torch.Tensor) -> float:
+        own, shared = model.residual_heads(model.actor(x))
+        return float(losses.option_pull_loss(own, model.log_std, shared, model.shared_log_std).mean())
+
+    model = fresh()
+    trainer = Trainer(model, learner_cfg(option_pull_coef=1.0), "cpu")
+    p = trainer.prepare(bandit_batch(model, spec, rng), 0, update_norm=False)
+    mb = trainer.samples(p)
+    terms = trainer._option_terms(mb, model.actor_features(mb.x))
+    model.zero_grad()
+    terms["loss/option_pull"].backward()
+    A = model.A
+    grad = model.actor[-1].weight.grad
+    assert float(grad[: 4 * A].abs().sum()) > 0 and float(model.log_std.grad.abs().sum()) > 0
+    assert float(grad[4 * A:].abs().sum()) == 0.0, "the shared head is the target, not pulled"
+    assert model.shared_log_std.grad is None or float(model.shared_log_std.grad.abs().sum()) == 0.0
+    assert all(p.grad is None or float(p.grad.abs().sum()) == 0.0 for p in model.actor[:-1].parameters())
+
+    x = torch.randn(256, 1)
+    after = {}
+    for coef in (0.0, 1.0):
+        model = fresh()
+        before = pull(model, x)
+        trainer = Trainer(model, learner_cfg(option_pull_coef=coef, target_kl=0.0), "cpu")
+        batch_rng = np.random.default_rng(5)
+        for _ in range(10):
+            m = trainer.update(bandit_batch(model, spec, batch_rng), 0)
+        assert math.isfinite(m["loss/option_pull"])
+        after[coef] = pull(model, x)
+    assert after[1.0] < 0.5 * before and after[1.0] < 0.5 * after[0.0], (before, after)

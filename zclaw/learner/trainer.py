@@ -42,7 +42,8 @@ the running statistics are merged in :meth:`Trainer.prepare`, each epoch's advan
 step's gradients (and KL, and whether it is finite) in :meth:`Trainer.update`. Alone it does nothing.
 
 Metric names (TensorBoard ``learner/<name>``; stable, other tools read them): ``loss/policy``,
-``loss/value``, ``loss/entropy``, ``loss/master``, ``loss/termination``, ``loss/master_entropy``,
+``loss/value``, ``loss/entropy``, ``loss/master``, ``loss/termination``, ``loss/termination_prior``,
+``loss/option_pull``, ``loss/master_entropy``,
 ``loss/student``, ``loss/total``, ``approx_kl``, ``clip_frac``, ``rho_mean``, ``rho_clipped_frac``,
 ``rho_option_mean``, ``lag_mean``, ``lag_max``, ``lag/option/<o>``, ``explained_variance``,
 ``reward_scale``, ``popart_mu``, ``popart_sigma``, ``norm_left_out``, ...
@@ -66,8 +67,8 @@ from ..wire import Message
 from .distributed import Sync
 
 LOSS_KEYS = ("loss/policy", "loss/value", "loss/entropy", "loss/master", "loss/termination",
-             "loss/termination_prior", "loss/master_entropy", "loss/student", "loss/total", "approx_kl",
-             "clip_frac", "grad_norm")
+             "loss/termination_prior", "loss/option_pull", "loss/master_entropy", "loss/student",
+             "loss/total", "approx_kl", "clip_frac", "grad_norm")
 
 
 @dataclass(frozen=True)
@@ -98,6 +99,7 @@ class TrainConfig:
     termination_coef: float
     termination_prior: float
     termination_prior_coef: float
+    option_pull_coef: float
     xi: float
     deliberation_cost: float
     option_weights: bool
@@ -296,10 +298,14 @@ class Trainer:
         return losses.option_value(self._q(x), pi_hat)
 
     def _logp(
-        self, x: torch.Tensor, option: torch.Tensor, action: torch.Tensor
+        self, x: torch.Tensor, option: torch.Tensor, action: torch.Tensor,
+        actor_out: Optional[torch.Tensor] = None
     ) -> Tuple[torch.Tensor, torch.Tensor]:
-        """log pi_o(a|s) of the executing option, and that option's log std (for the entropy)."""
-        mean = self.model.option_mean(x, option)
+        """log pi_o(a|s) of the executing option, and that option's log std (for the entropy); ``actor_out``:
+        the actor's output for ``x`` where the caller has it already."""
+        model = self.model
+        heads = model.actor(x) if actor_out is None else actor_out
+        mean = model.mean_of_option(model.means_of(heads), option)
         log_std = self.model.option_log_std()[option]
         return self.model.gaussian_logp(action, mean, log_std), log_std
 
@@ -587,6 +593,7 @@ class Trainer:
               + master_coef L^H - master_ent_coef H(pi_Omega)                        K > 1: DAC's high MDP
               (ppoc: + master_coef L^Omega + termination_coef L^beta instead of L^H)
               + termination_prior_coef L^prior                                      K > 1
+              + option_pull_coef L^pull                                             K > 1, residual options
 
         Advantages are normalised per minibatch (``adv_norm``; ``norm``: the statistics of
         :meth:`_advantage_sets` over every rank's minibatch, with data-parallel ranks); every per-sample term
@@ -595,7 +602,8 @@ class Trainer:
         """
         c = self.cfg
         adv = losses.normalize(mb.adv, stats=norm[0] if norm else None, scale=c.scale_advantages)
-        logp_new, log_std = self._logp(mb.x, mb.option, mb.action)
+        features = self.model.actor_features(mb.x)  # once: the policy loss and the options' pull share them
+        logp_new, log_std = self._logp(mb.x, mb.option, mb.action, self.model.actor_output(features))
         with torch.no_grad():  # distance from the behaviour policy: the KL stop and the metrics
             log_ratio = logp_new - mb.logp_mu
             ratio = log_ratio.exp()
@@ -608,18 +616,22 @@ class Trainer:
         loss = pg + c.vf_coef * vl - c.ent_coef * ent
         terms = {"loss/policy": pg, "loss/value": vl, "loss/entropy": ent}
         if self.model.K > 1:
-            terms.update(self._option_terms(mb, norm[1] if norm else None))
+            terms.update(self._option_terms(mb, features, norm[1] if norm else None))
             loss = (loss + c.master_coef * terms["loss/master"]
                     + c.termination_coef * terms["loss/termination"]
                     + c.termination_prior_coef * terms["loss/termination_prior"]
                     - c.master_ent_coef * terms["loss/master_entropy"])
+            if self.model.residual and c.option_pull_coef > 0:
+                loss = loss + c.option_pull_coef * terms["loss/option_pull"]
         return loss, terms, kl, clip_frac
 
     def _option_terms(
-        self, mb: Samples, norm: Optional[Tuple[float, float, float]] = None
+        self, mb: Samples, features: torch.Tensor, norm: Optional[Tuple[float, float, float]] = None
     ) -> Dict[str, torch.Tensor]:
-        """The option-level losses of one minibatch (K > 1): DAC's or PPOC's, and the master entropy
-        (all of the epsilon-soft pi_Omega the workers sample from, :meth:`OptionPolicy.log_master`)."""
+        """The option-level losses of one minibatch (K > 1): DAC's or PPOC's, the master entropy (all of the
+        epsilon-soft pi_Omega the workers sample from, :meth:`OptionPolicy.log_master`), the termination
+        prior and, with residual options, the options' pull toward the shared head (``features``: the
+        actor's last hidden layer for ``mb.x``)."""
         c, model = self.cfg, self.model
         x, w, known = mb.x, mb.w, mb.known
         # each head once per minibatch: the master and the termination logits serve every term below
@@ -631,6 +643,11 @@ class Trainer:
         prior = losses.termination_prior_loss(term_logits, c.termination_prior)
         out = {"loss/master_entropy": losses.weighted_mean(losses.categorical_entropy_logp(log_master), w),
                "loss/termination_prior": losses.weighted_mean(prior, w)}
+        if model.residual:  # reported whatever its coefficient: how far the options' own heads have gone
+            # on fixed features: the pull moves the options' own output rows, not the body every head shares
+            own, shared = model.residual_heads(model.actor_output(features.detach()))
+            pull = losses.option_pull_loss(own, model.log_std, shared.detach(), model.shared_log_std.detach())
+            out["loss/option_pull"] = losses.weighted_mean(pull, w)
         if c.mode == "dac":
             log_pi_hat = model.mix_call_and_return(log_master, beta_prev, prev, mb.ep_start).gather(
                 -1, mb.option.unsqueeze(-1)).squeeze(-1)

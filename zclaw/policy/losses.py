@@ -235,6 +235,29 @@ def termination_prior_loss(termination_logits: torch.Tensor, beta_0: float) -> t
     return 0.5 * ((termination_logits - z0) ** 2).mean(-1)
 
 
+def option_pull_loss(own_mean: torch.Tensor, own_log_std: torch.Tensor, shared_mean: torch.Tensor,
+                     shared_log_std: torch.Tensor) -> torch.Tensor:
+    """The KL of every option's own Gaussian to the shared one, averaged over the K options::
+
+        L^pull_t = 1/K * sum_o KL( N(m_o(s_t), sigma_o) || N(mu(s_t), sigma) )
+
+    (``own_mean`` [.., K, A], ``own_log_std`` [K, A], ``shared_mean`` [.., 1, A], ``shared_log_std`` [A];
+    diagonal Gaussians, the KL summed over action dimensions.)
+
+    Why: with residual options an option's own head learns from its own steps only, about 1/K of them,
+    while the shared head learns from all. Where options do not specialise (Ant-v5: a near-uniform
+    master picking again every ~20 steps), the own heads drift apart on the noise of their smaller data,
+    and (1 - option_share) of every action mean is that noise. The pull shrinks each own head toward the
+    better-estimated shared one, so an option departs from it only where its advantage keeps pushing, as
+    Distral's task policies do from their distilled centre (Teh et al. 2017). The caller passes the shared
+    head detached: the pull never moves the head that every step trains.
+    """
+    var_own, var_shared = torch.exp(2 * own_log_std), torch.exp(2 * shared_log_std)
+    kl = (shared_log_std - own_log_std + (var_own + (own_mean - shared_mean) ** 2) / (2 * var_shared)
+          - 0.5).sum(-1)
+    return kl.mean(-1)
+
+
 def categorical_entropy(logits: torch.Tensor) -> torch.Tensor:
     """``H = -sum_o p(o) log p(o)`` of a softmax over the last axis."""
     return categorical_entropy_logp(torch.log_softmax(logits, -1))

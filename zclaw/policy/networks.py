@@ -37,7 +37,7 @@ pi_hat(o|s, o_prev) = (1 - beta)[o = o_prev] + beta pi_Omega(o|s) (DAC, Zhang & 
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Any, Dict, List, Mapping, Optional, Sequence
+from typing import Any, Dict, List, Mapping, Optional, Sequence, Tuple
 
 import math
 import numpy as np
@@ -175,8 +175,21 @@ class OptionPolicy(nn.Module):
         """:meth:`action_mean` from the actor's raw output [.., (K + residual) * A]."""
         if not self.residual:
             return actor_out.reshape(actor_out.shape[:-1] + (self.K, self.A))
+        return self.with_shared(*self.residual_heads(actor_out))
+
+    def actor_features(self, x: torch.Tensor) -> torch.Tensor:
+        """The actor's last hidden layer: ``actor(x) == actor_output(actor_features(x))``."""
+        return self.actor[:-1](x)
+
+    def actor_output(self, features: torch.Tensor) -> torch.Tensor:
+        """The actor's output layer on :meth:`actor_features`: every head's mean, [.., (K + residual) * A]."""
+        return self.actor[-1](features)
+
+    def residual_heads(self, actor_out: torch.Tensor) -> Tuple[torch.Tensor, torch.Tensor]:
+        """Residual options: the options' own means m_o [.., K, A] and the shared mean mu [.., 1, A] from
+        the actor's raw output."""
         heads = actor_out.reshape(actor_out.shape[:-1] + (self.K + 1, self.A))
-        return self.with_shared(heads[..., : self.K, :], heads[..., self.K :, :])
+        return heads[..., : self.K, :], heads[..., self.K :, :]
 
     def option_log_std(self) -> torch.Tensor:
         """Intra-option log standard deviations [K, A]: ``log sigma_o``, or ``s log sigma + (1 - s) l_o``."""
