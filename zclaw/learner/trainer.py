@@ -626,12 +626,13 @@ class Trainer:
         return loss, terms, kl, clip_frac
 
     def _option_terms(
-        self, mb: Samples, features: torch.Tensor, norm: Optional[Tuple[float, float, float]] = None
+        self, mb: Samples, features: Optional[torch.Tensor] = None,
+        norm: Optional[Tuple[float, float, float]] = None
     ) -> Dict[str, torch.Tensor]:
         """The option-level losses of one minibatch (K > 1): DAC's or PPOC's, the master entropy (all of the
         epsilon-soft pi_Omega the workers sample from, :meth:`OptionPolicy.log_master`), the termination
         prior and, with residual options, the options' pull toward the shared head (``features``: the
-        actor's last hidden layer for ``mb.x``)."""
+        actor's last hidden layer for ``mb.x``, where the caller has it already)."""
         c, model = self.cfg, self.model
         x, w, known = mb.x, mb.w, mb.known
         # each head once per minibatch: the master and the termination logits serve every term below
@@ -645,6 +646,8 @@ class Trainer:
                "loss/termination_prior": losses.weighted_mean(prior, w)}
         if model.residual:  # reported whatever its coefficient: how far the options' own heads have gone
             # on fixed features: the pull moves the options' own output rows, not the body every head shares
+            if features is None:
+                features = model.actor_features(x)
             own, shared = model.residual_heads(model.actor_output(features.detach()))
             pull = losses.option_pull_loss(own, model.log_std, shared.detach(), model.shared_log_std.detach())
             out["loss/option_pull"] = losses.weighted_mean(pull, w)
