@@ -41,7 +41,7 @@ class StackedMLPs:
 
     def __init__(self, nets: Sequence[nn.Sequential]) -> None:
         self.nets = list(nets)
-        layers = [_linears(n) for n in self.nets]
+        self.layers = layers = [_linears(n) for n in self.nets]  # the same modules for the nets' lifetime
         depth = {len(ls) for ls in layers}
         widths = {tuple(lin.in_features for lin in ls) for ls in layers}
         kinds = {tuple(type(m) for m in n if not isinstance(m, nn.Linear)) for n in self.nets}
@@ -58,7 +58,7 @@ class StackedMLPs:
     def _stack(self) -> None:
         """Copy the nets' weights into the stacked layout: [in, sum H] for the first layer, [M, in, out]
         (outputs zero-padded to the widest) for every later one."""
-        layers = [_linears(n) for n in self.nets]
+        layers = self.layers
         with torch.no_grad():
             first = [ls[0] for ls in layers]
             self._first = (torch.cat([lin.bias for lin in first]),
