@@ -1,7 +1,8 @@
 """Benchmark: what does the worker's machinery cost over a bare acting loop? (Not a test.)
 
-Two ways of stepping the same 16 ``Reacher-v5`` envs with the same network (``OptionPolicy.act``, CPU,
-one torch thread), measured in the same run and alternated so that machine noise hits both alike:
+Two ways of stepping the same 16 envs (``Reacher-v5`` unless ``--env``) with the same network
+(``OptionPolicy.act``, CPU, one torch thread), measured in the same run and alternated so that machine
+noise hits both alike:
 
 * **worker**: the real ``zclaw worker`` process, against a stand-in broker (a real PULL socket drained and
   validated by a thread, and a ROUTER that welcomes the worker's handshake) and a stand-in learner (real
@@ -12,7 +13,8 @@ one torch thread), measured in the same run and alternated so that machine noise
 
 Target: worker / bare >= 0.85. Usage::
 
-    python bench/collect.py [--envs 16] [--rounds 5] [--window 2] [--options 1] [--segment-length 64]
+    python bench/collect.py [--env gym:Reacher-v5] [--envs 16] [--rounds 5] [--window 2] [--options 1]
+        [--segment-length 64]
 """
 from __future__ import annotations
 
@@ -36,7 +38,7 @@ from zclaw.policy.networks import OptionPolicy
 from zclaw.policy.weights import policy_config, weights_message
 from zclaw.wire import bind, make, make_socket, parse, segment_dims
 
-ENV = "gym:Reacher-v5"
+ENV = "gym:Reacher-v5"  # the default; --env picks another
 
 
 class StandIns:
@@ -148,18 +150,20 @@ def main() -> int:
     ap.add_argument("--window", type=float, default=2.0, help="seconds per measurement")
     ap.add_argument("--options", type=int, default=1, help="policy.options K")
     ap.add_argument("--segment-length", type=int, default=64)
+    ap.add_argument("--env", default=ENV, help=f"env id (default {ENV})")
     args = ap.parse_args()
+    env_id = args.env
 
     torch.set_num_threads(1)
     cfg = config.load(None, [f"policy.options={args.options}"])
-    env = make_env(ENV, args.envs, 12345, torch.device("cpu"))
+    env = make_env(env_id, args.envs, 12345, torch.device("cpu"))
     spec = env.spec
     model = OptionPolicy(policy_config(cfg["policy"], spec))
     model.eval()
     ctx = zmq.Context()
     stand = StandIns(ctx, spec, weights_message(model, 0, 0, spec.hash))
     cmd = [
-        sys.executable, "-m", "zclaw.cli", "worker", "--env", ENV, "--envs", str(args.envs),
+        sys.executable, "-m", "zclaw.cli", "worker", "--env", env_id, "--envs", str(args.envs),
         "--set", f"worker.segment_length={args.segment_length}", "--set", "worker.threads=1",
         "--set", f"policy.options={args.options}", "--set", "log.status_s=3600", "--set", "log.level=warning",
         "--set", f"network.ingest_port={stand.ingest}", "--set", f"network.publish_port={stand.publish_port}",
@@ -193,7 +197,7 @@ def main() -> int:
     w, b = statistics.median(worker_rates), statistics.median(bare_rates)
     ratio = statistics.median(x / y for x, y in zip(worker_rates, bare_rates))  # paired: noise hits both
     print()
-    print(f"{ENV}, {args.envs} envs, T={args.segment_length}, K={args.options}, {args.rounds} rounds x "
+    print(f"{env_id}, {args.envs} envs, T={args.segment_length}, K={args.options}, {args.rounds} rounds x "
           f"{args.window:g} s, median")
     print(f"{'loop':<34}{'env steps/s':>14}")
     print(f"{'bare (act + step, no sockets)':<34}{b:>14.0f}")

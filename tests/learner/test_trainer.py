@@ -179,6 +179,33 @@ def test_checkpoint_round_trip_restores_outputs_version_and_rng(tmp_path) -> Non
         assert torch.equal(p0, p1)
 
 
+def test_a_checkpoint_restores_the_moments_but_not_how_the_saver_ran_adam(tmp_path) -> None:
+    """A checkpoint written by a learner with another Adam kernel (plain Adam: an older torch, another device)
+    gives its moments to this learner, whose own kernel (fused where torch has one) stays."""
+    torch.manual_seed(5)
+    rng = np.random.default_rng(5)
+    spec = spec_of(1, 1)
+    model = make_model(spec, hidden=[8])
+    trainer = Trainer(model, learner_cfg(), "cpu")
+    plain = torch.optim.Adam([{"params": g["params"], "lr": g["lr"]} for g in trainer.optimizer.param_groups],
+                             eps=1e-5, foreach=False)
+    trainer.optimizer = plain  # the saver's optimiser ran the plain per-tensor loop
+    trainer.update(bandit_batch(model, spec, rng), 0)
+    ckpt.save(tmp_path, model, plain, version=1, updates=1, steps_consumed=128, config=config.defaults(),
+              spec=spec.to_dict(), trainer=trainer.state_dict())
+    fresh_trainer = Trainer(make_model(spec, hidden=[8]), learner_cfg(), "cpu")
+    own = [(g.get("fused"), g.get("foreach")) for g in fresh_trainer.optimizer.param_groups]
+    ckpt.restore(ckpt.load(tmp_path), fresh_trainer.model, fresh_trainer.optimizer, rng=False)
+    assert [(g.get("fused"), g.get("foreach")) for g in fresh_trainer.optimizer.param_groups] == own
+    assert plain.param_groups[0]["foreach"] is False and own[0] != (None, False)
+    for p0, p1 in zip(trainer.model.parameters(), fresh_trainer.model.parameters()):
+        s0, s1 = plain.state[p0], fresh_trainer.optimizer.state[p1]
+        if s0:
+            assert torch.equal(s0["exp_avg"], s1["exp_avg"])
+            assert torch.equal(s0["exp_avg_sq"], s1["exp_avg_sq"])
+    fresh_trainer.update(bandit_batch(fresh_trainer.model, spec, rng), 1)  # and the next step runs
+
+
 def test_checkpoint_refuses_another_spec_or_architecture_and_keeps_three(tmp_path) -> None:
     spec = spec_of(2, 1)
     cfg = config.defaults()

@@ -26,6 +26,8 @@ from ..policy.networks import OptionPolicy, PolicyConfig
 KEEP = 3
 LATEST = "latest.pt"
 FORMAT = 1
+#: optimiser param-group keys that say how this machine runs the update, not what it is (restore keeps them)
+IMPLEMENTATION_KEYS = ("fused", "foreach", "capturable", "differentiable")
 
 
 class CheckpointError(RuntimeError):
@@ -178,6 +180,11 @@ def restore(
     """Load a checkpoint's model (and optimiser, and RNG) state; call :func:`check_compatible` first."""
     model.load_state_dict(state["model"])
     if optimizer is not None and state.get("optimizer") is not None:
+        # how this machine runs Adam (fused, foreach) stays this machine's: torch would take the saver's
+        # choice from the checkpoint, which a learner on another device or torch may not have
+        kernels = [{k: g[k] for k in IMPLEMENTATION_KEYS if k in g} for g in optimizer.param_groups]
         optimizer.load_state_dict(state["optimizer"])
+        for group, own in zip(optimizer.param_groups, kernels):
+            group.update(own)
     if rng:
         set_rng_state(state["rng"])
