@@ -11,6 +11,7 @@ import numpy as np
 import pytest
 import torch
 
+from zclaw import config
 from zclaw.learner import checkpoint as ckpt
 from zclaw.learner.trainer import PreparedBatch, Trainer
 from zclaw.policy import losses
@@ -735,8 +736,9 @@ def test_option_share_weighs_the_shared_head_and_travels_with_the_weights() -> N
     assert d["option_share"] == 0.75 and PolicyConfig.from_dict(d) == model.cfg
     even = make_model(spec, hidden=[8], options=3, option_share=0.5).cfg
     assert even.option_share == 0.5 and "option_share" not in even.to_dict()
-    default = make_model(spec, hidden=[8], options=3).cfg  # the config default, 0.75, travels in the header
-    assert default.option_share == 0.75 and default.to_dict()["option_share"] == 0.75
+    default = make_model(spec, hidden=[8], options=3).cfg  # the config default (not 0.5): in the header
+    share = config.defaults()["policy"]["option_share"]
+    assert share != 0.5 and default.option_share == share and default.to_dict()["option_share"] == share
     assert PolicyConfig.from_dict(even.to_dict()) == even
     for flat in (dict(options=1), dict(options=3, option_residual=False)):  # no shared head: s means nothing
         assert make_model(spec, hidden=[8], option_share=0.75, **flat).cfg.option_share == 0.5

@@ -19,7 +19,7 @@ either way (the mixture is monotone in the softmax).
 
 With ``PolicyConfig.option_residual`` (K > 1) the intra-option Gaussians share part of their parameters:
 ``mu_o(s) = s mu(s) + (1 - s) m_o(s)`` and ``log sigma_o = s log sigma + (1 - s) l_o``, the shared head
-being a (K+1)-th output of ``actor`` and ``shared_log_std``, ``s = PolicyConfig.option_share`` (0.75 in
+being a (K+1)-th output of ``actor`` and ``shared_log_std``, ``s = PolicyConfig.option_share`` (0.9 in
 the default config; 0.5, the even average, where a header leaves it out). Every step trains the shared
 part, so an option the master seldom picks still acts about as well as the others; without it the first
 option ahead takes all the data and the rest are abandoned untrained (docs/learning.md, "When one option
