@@ -316,8 +316,8 @@ class Trainer:
         model = self.model
         heads = model.actor(x) if actor_out is None else actor_out
         mean = model.mean_of_option(model.means_of(heads), option)
-        log_std = self.model.option_log_std()[option]
-        return self.model.gaussian_logp(action, mean, log_std), log_std
+        log_std = model.option_log_std()[option]
+        return model.gaussian_logp(action, mean, log_std), log_std
 
     def _logp_option(self, x: torch.Tensor, prev: torch.Tensor, ep_start: torch.Tensor,
                      option: torch.Tensor) -> torch.Tensor:
